@@ -1,0 +1,45 @@
+"""Compose configs/ plus the user's own config folders into one run config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from flux_trainer.config.paths import model_cache, shipped_config_dir, user_config_dirs
+from flux_trainer.config.schema import register_configs
+from flux_trainer.random_specs import preset_file
+
+_registered = False
+
+
+def _model_file(preset: str, part: str, *, _root_: DictConfig) -> str:
+    """`${model_file:tiny,flux}`: the generated random preset's file inside the model cache."""
+    return str(preset_file(model_cache(_root_.get("model_cache")), preset, part))
+
+
+def register() -> None:
+    """Register the schema and our resolvers with Hydra/OmegaConf (idempotent; nothing else at import time)."""
+    global _registered
+    if _registered:
+        return
+    register_configs()
+    OmegaConf.register_new_resolver("model_file", _model_file, replace=True)
+    _registered = True
+
+
+def hydra_overrides(search_dirs: list[Path] | None = None) -> list[str]:
+    """The `hydra.searchpath` override that adds the user's config folders (cwd/configs, $FLUX_TRAIN_CONFIG_DIR)."""
+    dirs = [d for d in (user_config_dirs() if search_dirs is None else search_dirs) if d.is_dir()]
+    return ["hydra.searchpath=[" + ",".join(f"'file://{d}'" for d in dirs) + "]"]
+
+
+def compose_run(overrides: list[str], search_dirs: list[Path] | None = None) -> DictConfig:
+    """Compose like `flux-train` does, without creating a run dir (for validation up front and for tests)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(shipped_config_dir()), version_base="1.3"):
+        return compose("config", overrides=[*overrides, *hydra_overrides(search_dirs)], return_hydra_config=False)

@@ -1,0 +1,191 @@
+"""The typed schema of one flux-train run.
+
+Dataclasses registered in Hydra's ConfigStore sit under the YAML in `configs/`, so a typo in any key fails
+at composition and names the key ("Key 'rnk' not in 'NetworkConfig'"). Field names are ours, not
+sd-scripts': `flux_trainer.sdscripts.translate` is the only place that maps them to sd-scripts flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class HubFile:
+    """Where `flux-train setup --models` gets a model file: a hub repository and a file in it."""
+
+    repo_id: str = ""
+    filename: str = ""
+
+
+@dataclass
+class ModelConfig:
+    # flux_dev | flux_schnell | random | random_tiny (random presets are generated weights, never a real model)
+    name: str = MISSING
+    flux: str = MISSING  # FLUX transformer .safetensors (BFL or Diffusers layout)
+    ae: str = MISSING  # autoencoder .safetensors
+    clip_l: str = MISSING  # CLIP-L text encoder .safetensors
+    t5xxl: str = MISSING  # T5-XXL encoder .safetensors
+    # random presets: the generated set's shape, written once into the model cache (random_tiny / random)
+    random_preset: Optional[str] = None
+    # tokens of T5 context; None = sd-scripts' default (512 dev, 256 schnell)
+    t5xxl_max_token_length: Optional[int] = None
+    hub: dict[str, HubFile] = field(default_factory=dict)
+
+
+@dataclass
+class DatasetConfig:
+    name: str = MISSING
+    images: str = MISSING  # a folder of images; captions beside them as NAME.txt
+    trigger: Optional[str] = None  # put in front of every caption; the caption of images without a .txt
+    resolution: int = 1024
+    repeats: int = 10
+    caption_extension: str = ".txt"
+    enable_bucket: bool = True  # aspect-ratio buckets, so images are not cropped square
+    min_bucket_reso: int = 256
+    max_bucket_reso: int = 2048
+    bucket_no_upscale: bool = True
+    flip_aug: bool = False  # mirror images at random: off, it breaks asymmetric characters and text
+    keep_tokens: int = 0
+
+
+@dataclass
+class NetworkConfig:
+    module: str = "networks.lora_flux"
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: Optional[float] = None
+    train_blocks: str = "all"  # all | single | double
+    split_qkv: bool = False
+    train_t5xxl: bool = False
+    loraplus_lr_ratio: Optional[float] = None
+    weights: Optional[str] = None  # start from an existing LoRA file
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = MISSING  # prodigy | adamw | adamw8bit | adafactor
+    type: str = MISSING  # the optimizer class sd-scripts instantiates
+    lr: float = MISSING
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the optimizer class
+    scheduler: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "bf16"
+    mixed: str = "bf16"  # no | fp16 | bf16
+    save: str = "bf16"  # float | fp16 | bf16
+    fp8_base: bool = False  # frozen FLUX weights stored as fp8 (sm_89 and newer)
+
+
+@dataclass
+class MemoryConfig:
+    tier: str = "auto"  # auto | vram12 | vram16 | vram24 | vram32 | vram48 | vram80
+    gradient_checkpointing: bool = True
+    cpu_offload_checkpointing: bool = False
+    blocks_to_swap: int = 0
+    fp8_base: Optional[bool] = None  # None: the precision preset decides
+
+
+@dataclass
+class HardwareConfig:
+    family: str = "auto"  # auto | blackwell_consumer | blackwell | hopper | ada | ampere | cpu
+
+
+@dataclass
+class KernelsConfig:
+    set: str = "auto"  # auto | off | ... (the kernels issue fills this)
+    attention: str = "sdpa"  # sdpa | xformers
+
+
+@dataclass
+class LoggingConfig:
+    root: str = "runs"  # every run dir lives under here; `tensorboard --logdir <root>` compares them
+    tensorboard: bool = True
+
+
+@dataclass
+class SampleConfig:
+    prompts: list[str] = field(default_factory=list)
+    every_n_steps: Optional[int] = None
+    every_n_epochs: Optional[int] = None
+    sampler: str = "euler"
+    steps: int = 20
+    width: int = 1024
+    height: int = 1024
+    guidance: float = 3.5
+    seed: int = 42
+
+
+@dataclass
+class TrainConfig:
+    output_name: str = MISSING
+    max_steps: Optional[int] = 1500
+    max_epochs: Optional[int] = None
+    batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    save_every_n_steps: Optional[int] = 250
+    save_every_n_epochs: Optional[int] = None
+    save_last_n: Optional[int] = 4  # keep this many LoRA snapshots and states
+    save_state: bool = True  # optimizer state too, so `resume=auto` loses nothing
+    seed: int = 42
+    timestep_sampling: str = "flux_shift"
+    model_prediction_type: str = "raw"
+    guidance_scale: float = 1.0
+    discrete_flow_shift: float = 3.1582
+    loss_type: str = "l2"
+    data_loader_workers: int = 2
+
+
+@dataclass
+class CacheConfig:
+    latents: bool = True
+    latents_to_disk: bool = True
+    text_encoder_outputs: bool = True
+    text_encoder_outputs_to_disk: bool = True
+    vae_batch_size: int = 1
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    gpus: Any = 1  # a number, or "all"
+    nodes: int = 1
+    node_rank: int = 0
+    main_address: str = "127.0.0.1"
+    main_port: int = 29500
+    cpu_threads_per_process: int = 2
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = MISSING
+    dataset: DatasetConfig = MISSING  # not in the defaults list: `+dataset=NAME`
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    optimizer: OptimizerConfig = MISSING
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    sd_scripts: Optional[str] = None  # checkout; else FLUX_TRAIN_SD_SCRIPTS; else the cache folder
+    tokenizer_dir: Optional[str] = None  # sd-scripts' tokenizer_cache_dir; else FLUX_TRAIN_TOKENIZER_DIR
+    model_cache: Optional[str] = None  # where random presets are generated; else FLUX_TRAIN_MODEL_CACHE
+    resume: str = "off"  # off | auto | a state folder
+    dry_run: bool = False
+
+
+def register_configs() -> None:
+    """Put the schema where `configs/config.yaml`'s defaults list finds it (`config_schema`)."""
+    ConfigStore.instance().store(name="config_schema", node=RunConfig)
