@@ -1,0 +1,216 @@
+"""One training run, start to end: validate, resolve for this machine, write the run dir, launch.
+
+`train(cfg, run_dir)` is what `flux-train` calls inside Hydra and what tests call directly. Everything it
+decides is written to the run dir before the child starts: config.yaml, sd_scripts.toml, dataset.toml,
+accelerate.yaml, env.json, runner.json, command.txt; the child's output goes to train.log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from flux_trainer.config import ConfigError
+from flux_trainer.config.paths import cache_root, model_cache, shipped_config_dir
+from flux_trainer.config.validate import validate
+from flux_trainer.launch import command as launch_command
+from flux_trainer.launch import device as launch_device
+from flux_trainer.launch import profiles
+from flux_trainer.sdscripts import checkout as sd_checkout
+from flux_trainer.sdscripts.parser_schema import check_training_keys, load_schema
+from flux_trainer.sdscripts.resume import resume_decision
+from flux_trainer.sdscripts.runner import RunnerSpec
+from flux_trainer.sdscripts.translate import RunPaths, sample_prompts_text, translate
+
+log = logging.getLogger("flux_trainer")
+TOKENIZER_ENV = "FLUX_TRAIN_TOKENIZER_DIR"
+# memory=auto: the largest tier whose VRAM (GiB) the card has, with a little headroom for the driver.
+TIER_VRAM = (("vram80", 78), ("vram48", 46), ("vram32", 30), ("vram24", 22), ("vram16", 15), ("vram12", 11))
+
+
+def say(msg: str) -> None:
+    print(f"[flux-train] {msg}", flush=True)
+
+
+def tier_for_vram(vram_gib: float | None) -> str:
+    if vram_gib is None:
+        return "cpu"
+    for tier, need in TIER_VRAM:
+        if vram_gib >= need:
+            return tier
+    return "vram12"
+
+
+def resolve_memory(cfg: DictConfig, info) -> None:
+    """memory=auto: replace the memory node with the tier file for this card's VRAM."""
+    if cfg.memory.tier != "auto":
+        return
+    tier = tier_for_vram(info.vram_gib if info.family != "cpu" else None)
+    cfg.memory = OmegaConf.merge(cfg.memory, OmegaConf.load(shipped_config_dir() / "memory" / f"{tier}.yaml"))
+    say(f"memory=auto: {info.name} has {info.vram_gib or 0:.0f} GiB -> memory={tier}")
+
+
+def tokenizer_dir(cfg: DictConfig) -> Path:
+    if cfg.tokenizer_dir:
+        return Path(cfg.tokenizer_dir).expanduser()
+    if os.environ.get(TOKENIZER_ENV):
+        return Path(os.environ[TOKENIZER_ENV]).expanduser()
+    return cache_root() / "tokenizers"
+
+
+@dataclass
+class Prepared:
+    run_dir: Path
+    command: list[str]
+    env: dict[str, str]
+    checkout: sd_checkout.Checkout | None
+    random_preset: str | None
+
+
+def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = None, info=None) -> Prepared:
+    """Validate, resolve and write the run dir. Raises ConfigError (and leaves no run dir) on bad input."""
+    info = info or launch_device.detect_device()
+    for warning in validate(cfg, family=info.family, search_dirs=search_dirs):
+        say(f"warning: {warning}")
+    if info.family != "cpu":
+        ok, why = launch_device.arch_supported(info)
+        if not ok:
+            raise ConfigError(why)
+    resolve_memory(cfg, info)
+    try:
+        checkout = sd_checkout.locate(cfg.sd_scripts)
+    except ConfigError:
+        if not cfg.dry_run:
+            raise
+        checkout = None
+        say("warning: no sd-scripts checkout: the TOMLs are checked against the committed parser schema only")
+    if checkout is not None and (msg := sd_checkout.commit_warning(checkout)):
+        say(f"warning: {msg}")
+
+    state = None
+    if cfg.resume == "auto":
+        state, sentence = resume_decision(Path(cfg.logging.root), cfg.train.output_name, cfg.train.max_steps)
+        say(sentence)
+        if state is None and "already finished" in sentence:
+            raise FinishedRun(sentence)
+    elif cfg.resume != "off":
+        state = type("S", (), {"path": Path(cfg.resume).expanduser().resolve()})()
+
+    run_dir = run_dir.resolve()
+    paths = RunPaths(
+        run_dir=run_dir,
+        tokenizer_dir=tokenizer_dir(cfg),
+        sample_prompts=run_dir / "sample_prompts.txt" if cfg.sample.prompts else None,
+        resume_state=state.path if state is not None else None,
+    )
+    train_doc, dataset_doc = translate(cfg, paths)
+    problems = check_training_keys(train_doc.flat(), load_schema()["flags"])
+    if problems:
+        raise ConfigError(problems)
+
+    profile = profiles.environment_profile(info, os.environ, gpus=_gpus(cfg, info), cache_dir=cache_root())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        train_toml, dataset_toml = run_dir / "sd_scripts.toml", run_dir / "dataset.toml"
+        train_toml.write_text(train_doc.dumps(), encoding="utf-8")
+        dataset_toml.write_text(dataset_doc.dumps(), encoding="utf-8")
+        if paths.sample_prompts:
+            paths.sample_prompts.write_text(sample_prompts_text(cfg), encoding="utf-8")
+        if checkout is not None:
+            from flux_trainer.sdscripts.live_check import live_check
+
+            problems = live_check(sd_checkout.import_sd_scripts(checkout.path), train_toml, dataset_toml)
+            if problems:
+                raise ConfigError(problems)
+        accel_path = run_dir / "accelerate.yaml"
+        accel_path.write_text(OmegaConf.to_yaml(OmegaConf.create(launch_command.accelerate_config(cfg, info))))
+        (run_dir / "env.json").write_text(json.dumps(profiles.profile_json(profile, info), indent=1) + "\n")
+        random_preset = cfg.model.get("random_preset")
+        spec = RunnerSpec(
+            sd_scripts=str(checkout.path) if checkout else "",
+            train_toml=str(train_toml),
+            dataset_toml=str(dataset_toml),
+            random_model_dir=str(Path(cfg.model.flux).parent) if random_preset == "tiny" else None,
+            kernels={"set": cfg.kernels.set},
+            metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg)},
+            tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
+        )
+        spec.write(run_dir)
+        cmd = launch_command.launch_command(
+            cfg, run_dir=run_dir, accelerate_config_path=accel_path, runner_args=["--run-dir", str(run_dir)], info=info
+        )
+        (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    env = {**os.environ, **profile.env}
+    return Prepared(run_dir, cmd, env, checkout, random_preset)
+
+
+class FinishedRun(Exception):
+    """resume=auto found the run already complete: nothing to do (exit 0)."""
+
+
+def _gpus(cfg: DictConfig, info) -> int:
+    if info.family == "cpu":
+        return 0
+    return info.count if cfg.launcher.gpus == "all" else int(cfg.launcher.gpus)
+
+
+def _flops_options(cfg: DictConfig) -> dict:
+    """FLOPs of one step for throughput/tflops (the random tiny preset's shapes differ from FLUX.1-dev)."""
+    try:
+        from flux_trainer.metrics.flops import flux_step_flops, img_tokens_for
+        from flux_trainer.random_specs import PRESETS
+    except ImportError:
+        return {}
+    shape = PRESETS.get(cfg.model.get("random_preset") or "full", PRESETS["full"])["flux"]
+    res = int(cfg.dataset.resolution)
+    flops = flux_step_flops(
+        hidden=shape["hidden_size"], depth=shape["depth"], depth_single=shape["depth_single_blocks"],
+        mlp_ratio=shape["mlp_ratio"], img_tokens=img_tokens_for(res, res),
+        txt_tokens=int(cfg.model.t5xxl_max_token_length or (256 if cfg.model.name == "flux_schnell" else 512)),
+        batch=int(cfg.train.batch_size), lora_rank=int(cfg.network.rank),
+        gradient_checkpointing=bool(cfg.memory.gradient_checkpointing),
+    )
+    return {"flops_per_step": flops.total, "images_per_step": int(cfg.train.batch_size)}
+
+
+def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = None, info=None) -> int:
+    """Prepare the run dir and, unless dry_run, launch the training child. Returns the exit code."""
+    try:
+        prepared = prepare(cfg, run_dir, search_dirs=search_dirs, info=info)
+    except FinishedRun:
+        return 0
+    say(f"run dir: {prepared.run_dir}")
+    if cfg.dry_run:
+        say("dry_run=true: wrote config.yaml, sd_scripts.toml, dataset.toml, command.txt; not launching")
+        say(f"would run: {shlex.join(prepared.command)}")
+        return 0
+    if prepared.random_preset:
+        from flux_trainer.sdscripts.random_model import ensure_random_model
+
+        device = "cuda" if (info or launch_device.detect_device()).family != "cpu" else "cpu"
+        ensure_random_model(model_cache(cfg.model_cache), prepared.random_preset, device=device, log=say)
+    from flux_trainer.launch.supervise import explain_failure, run_supervised
+
+    say(f"TensorBoard: tensorboard --logdir {Path(cfg.logging.root).resolve()}")
+    log_path = prepared.run_dir / "train.log"
+    code = run_supervised(prepared.command, prepared.env, log_path)
+    if code == 0:
+        loras = sorted(prepared.run_dir.glob(f"{cfg.train.output_name}*.safetensors"))
+        say(f"done. LoRA: {loras[-1] if loras else '(none written)'}")
+        say(f"TensorBoard logs: {prepared.run_dir / 'tb'}  (tensorboard --logdir {Path(cfg.logging.root).resolve()})")
+    else:
+        tail = log_path.read_text(errors="replace").splitlines()[-40:] if log_path.exists() else []
+        print(explain_failure(tail, cfg.memory.tier), file=sys.stderr)
+    return code

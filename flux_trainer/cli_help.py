@@ -1,0 +1,51 @@
+"""`flux-train --help`: the groups, their options (shipped and the user's own), and examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flux_trainer.config.paths import shipped_config_dir, user_config_dirs
+
+GROUPS = {
+    "model": "which FLUX and text-encoder files (random / random_tiny are generated weights for tests)",
+    "dataset": "your images: configs/dataset/NAME.yaml, picked with +dataset=NAME",
+    "network": "the LoRA: rank, alpha, which blocks",
+    "optimizer": "optimizer and learning-rate schedule",
+    "precision": "bf16, or fp8 frozen base weights",
+    "memory": "what to trade for VRAM; auto picks the tier for your card",
+    "hardware": "GPU family (auto-detected)",
+    "kernels": "fast kernels (auto) or plain sd-scripts (off)",
+    "launcher": "processes, GPUs, nodes",
+}
+
+EXAMPLES = """\
+examples:
+  flux-train dataset init mychar --images ~/pics/mychar --trigger ohwx
+  flux-train +dataset=mychar dry_run=true            # write the run dir, do not train
+  flux-train +dataset=mychar                          # train with the defaults (Prodigy, bf16, rank 16)
+  flux-train +dataset=mychar network.rank=32 optimizer=adamw train.max_steps=2000
+  flux-train +dataset=mychar model=random_tiny train.max_steps=3   # smoke run, random weights
+  flux-train -m +dataset=mychar network.rank=8,16,32  # a sweep, one run dir each
+  flux-train demo                                     # tiny random model on generated images
+  flux-train runs                                     # list runs: steps, loss, s/step, peak VRAM
+
+other keys: train.* (max_steps, save_every_n_steps, seed, output_name ...), sample.*, cache.*, logging.root,
+sd_scripts=PATH, tokenizer_dir=PATH, resume=auto|off|PATH, dry_run=true. -v shows tracebacks.
+"""
+
+
+def options(group: str) -> list[str]:
+    found = set()
+    for root in [shipped_config_dir(), *user_config_dirs()]:
+        found.update(p.stem for p in (Path(root) / group).glob("*.yaml"))
+    return sorted(found)
+
+
+def help_text() -> str:
+    lines = ["usage: flux-train [+dataset=NAME] [GROUP=OPTION ...] [KEY=VALUE ...]",
+             "       flux-train {dataset init,demo,setup,runs} ...", "", "config groups:"]
+    for group, what in GROUPS.items():
+        opts = options(group)
+        lines.append(f"  {group:<10} {what}")
+        lines.append(f"  {'':<10} options: {', '.join(opts) if opts else '(none yet)'}")
+    return "\n".join(lines) + "\n\n" + EXAMPLES

@@ -1,0 +1,189 @@
+"""Checks that span fields, run before anything is written. Every problem is collected, then raised once.
+
+Each message names the key, the bad value and the fix. Hydra already rejects unknown keys and wrong types
+(the schema); what is left here is what a schema cannot say.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from flux_trainer.config.errors import ConfigError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+OPTIMIZERS = ("prodigy", "adamw", "adamw8bit", "adafactor")
+MEMORY_TIERS = ("auto", "cpu", "vram12", "vram16", "vram24", "vram32", "vram48", "vram80")
+FAMILIES = ("auto", "blackwell_consumer", "blackwell", "hopper", "ada", "ampere", "older", "cpu")
+FP8_FAMILIES = ("blackwell_consumer", "blackwell", "hopper", "ada")
+RESOLUTION_RANGE = (64, 2048)
+
+
+@dataclass
+class DatasetScan:
+    folder: Path
+    images: dict[str, int] = field(default_factory=dict)  # extension -> count
+    captioned: int = 0
+    uncaptioned: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.images.values())
+
+
+def scan_dataset(folder: Path, caption_extension: str = ".txt") -> DatasetScan:
+    """Count images by format and captions beside them (top level only, as sd-scripts reads an image_dir)."""
+    scan = DatasetScan(folder)
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        ext = os.path.splitext(entry.name)[1].lower()
+        if not entry.is_file() or ext not in IMAGE_EXTENSIONS:
+            continue
+        scan.images[ext] = scan.images.get(ext, 0) + 1
+        if (folder / (os.path.splitext(entry.name)[0] + caption_extension)).is_file():
+            scan.captioned += 1
+        else:
+            scan.uncaptioned.append(entry.name)
+    return scan
+
+
+def available_datasets(search_dirs: list[Path]) -> list[str]:
+    names = set()
+    for d in search_dirs:
+        names.update(p.stem for p in (d / "dataset").glob("*.yaml"))
+    return sorted(names)
+
+
+def no_dataset_message(search_dirs: list[Path]) -> str:
+    found = available_datasets(search_dirs)
+    where = " or ".join(str(d / "dataset") for d in search_dirs) or "configs/dataset"
+    have = f"datasets found: {', '.join(found)}" if found else f"none found in {where}"
+    return (
+        f"no dataset: add +dataset=NAME ({have}); create one with "
+        "`flux-train dataset init NAME --images DIR`"
+    )
+
+
+def _check_dataset(d: DictConfig, problems: list[str]) -> None:
+    res = d.resolution
+    lo, hi = RESOLUTION_RANGE
+    if res % 16 or not lo <= res <= hi:
+        nearest = min(max(round(res / 64) * 64, lo), hi)
+        problems.append(
+            f"dataset.resolution={res}: must be a multiple of 16 between {lo} and {hi} "
+            f"(FLUX packs 2x2 latents of an 8x-downscaling AE); try dataset.resolution={nearest}"
+        )
+    if d.enable_bucket and not d.min_bucket_reso <= res <= d.max_bucket_reso:
+        problems.append(
+            f"dataset.resolution={res} is outside the buckets dataset.min_bucket_reso={d.min_bucket_reso} .. "
+            f"dataset.max_bucket_reso={d.max_bucket_reso}; widen them"
+        )
+    if d.repeats < 1:
+        problems.append(f"dataset.repeats={d.repeats}: must be at least 1")
+    folder = Path(d.images).expanduser()
+    if not folder.is_dir():
+        problems.append(f"dataset '{d.name}': {folder} does not exist; set dataset.images to your image folder")
+        return
+    scan = scan_dataset(folder, d.caption_extension)
+    if scan.total == 0:
+        problems.append(f"dataset '{d.name}': {folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")
+    elif scan.uncaptioned and not d.trigger:
+        some = ", ".join(scan.uncaptioned[:3]) + (" ..." if len(scan.uncaptioned) > 3 else "")
+        problems.append(
+            f"dataset '{d.name}': {len(scan.uncaptioned)} of {scan.total} images have no {d.caption_extension} "
+            f"caption ({some}) and there is no trigger word; add captions or set dataset.trigger=WORD"
+        )
+
+
+def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Path] | None = None) -> list[str]:
+    """Raise ConfigError with every problem; return warnings (printed, not fatal).
+
+    `family` is the detected GPU family when known (hardware.family=auto); fp8 needs one that has it.
+    """
+    problems: list[str] = []
+    warnings: list[str] = []
+    if OmegaConf.is_missing(cfg, "dataset"):
+        problems.append(no_dataset_message(search_dirs or []))
+    else:
+        _check_dataset(cfg.dataset, problems)
+
+    net = cfg.network
+    if net.rank <= 0:
+        problems.append(f"network.rank={net.rank}: must be a positive integer (16 is a good start)")
+    if net.alpha <= 0:
+        problems.append(f"network.alpha={net.alpha}: must be positive (alpha = rank gives a LoRA scale of 1)")
+    if net.train_blocks not in ("all", "single", "double"):
+        problems.append(f"network.train_blocks={net.train_blocks}: choose all, single or double")
+    if net.train_t5xxl and cfg.cache.text_encoder_outputs:
+        problems.append("network.train_t5xxl=true needs cache.text_encoder_outputs=false (a trained T5 changes them)")
+
+    opt = cfg.optimizer
+    if opt.name not in OPTIMIZERS:
+        problems.append(f"optimizer.name={opt.name}: unknown; choose optimizer={' | optimizer='.join(OPTIMIZERS)}")
+    if opt.lr <= 0:
+        problems.append(f"optimizer.lr={opt.lr}: must be positive")
+    if cfg.precision.mixed not in ("no", "fp16", "bf16"):
+        problems.append(f"precision.mixed={cfg.precision.mixed}: choose no, fp16 or bf16")
+    if cfg.precision.save not in ("float", "fp16", "bf16"):
+        problems.append(f"precision.save={cfg.precision.save}: choose float, fp16 or bf16")
+
+    mem = cfg.memory
+    if mem.tier not in MEMORY_TIERS:
+        problems.append(f"memory.tier={mem.tier}: choose memory={' | memory='.join(MEMORY_TIERS)}")
+    if mem.blocks_to_swap and mem.cpu_offload_checkpointing:
+        problems.append(
+            "memory.blocks_to_swap and memory.cpu_offload_checkpointing cannot be combined (sd-scripts forbids it); "
+            "set memory.cpu_offload_checkpointing=false or memory.blocks_to_swap=0"
+        )
+    if mem.blocks_to_swap < 0:
+        problems.append(f"memory.blocks_to_swap={mem.blocks_to_swap}: must be 0 or more")
+
+    hw = cfg.hardware.family
+    if hw not in FAMILIES:
+        problems.append(f"hardware.family={hw}: choose one of {', '.join(FAMILIES)}")
+    effective_family = family if hw == "auto" else hw
+    fp8 = mem.fp8_base if mem.fp8_base is not None else cfg.precision.fp8_base
+    if fp8 and effective_family is not None and effective_family not in FP8_FAMILIES + ("auto",):
+        problems.append(
+            f"fp8 base weights (precision=fp8_base or memory={mem.tier}) need fp8 support (Ada sm_89, Hopper, "
+            f"Blackwell); this GPU family is {effective_family}: use precision=bf16 and a larger memory tier"
+        )
+
+    if cfg.kernels.attention not in ("sdpa", "xformers"):
+        problems.append(f"kernels.attention={cfg.kernels.attention}: choose sdpa or xformers")
+
+    tr = cfg.train
+    if tr.max_steps is None and tr.max_epochs is None:
+        problems.append("train.max_steps and train.max_epochs are both null: set one of them")
+    for key in ("max_steps", "max_epochs", "save_every_n_steps", "save_every_n_epochs", "save_last_n"):
+        value = tr[key]
+        if value is not None and value < 1:
+            problems.append(f"train.{key}={value}: must be at least 1, or null")
+    if tr.batch_size < 1 or tr.gradient_accumulation_steps < 1:
+        problems.append("train.batch_size and train.gradient_accumulation_steps must be at least 1")
+    if not OmegaConf.is_missing(cfg, "dataset") and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", tr.output_name):
+        problems.append(
+            f"train.output_name={tr.output_name!r}: use letters, digits, '.', '_' and '-' (it names files and folders)"
+        )
+
+    gpus = cfg.launcher.gpus
+    if not (gpus == "all" or (isinstance(gpus, int) and gpus >= 1)):
+        problems.append(f"launcher.gpus={gpus}: a positive number or 'all'")
+    if cfg.resume not in ("off", "auto") and not Path(cfg.resume).expanduser().is_dir():
+        problems.append(f"resume={cfg.resume}: not a saved state folder; use resume=auto or resume=off")
+
+    if cfg.sample.prompts and cfg.sample.every_n_steps is None and cfg.sample.every_n_epochs is None:
+        warnings.append("sample.prompts is set but neither sample.every_n_steps nor every_n_epochs: no samples")
+
+    if not cfg.model.get("random_preset"):
+        for part in ("flux", "ae", "clip_l", "t5xxl"):
+            path = Path(str(cfg.model[part])).expanduser()
+            if not path.is_file():
+                msg = f"model.{part}: {path} does not exist; run `flux-train setup --models` or set model.{part}=PATH"
+                (warnings if cfg.dry_run else problems).append(msg)
+    if problems:
+        raise ConfigError(problems)
+    return warnings

@@ -1,0 +1,110 @@
+"""`flux-train dataset init`: look at an image folder, report what is there, write the dataset config."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flux_trainer.config import ConfigError
+from flux_trainer.config.validate import IMAGE_EXTENSIONS, scan_dataset
+
+
+@dataclass
+class FolderReport:
+    folder: Path
+    by_format: dict[str, int]
+    captioned: int
+    uncaptioned: list[str]
+    sizes: Counter = field(default_factory=Counter)  # (w, h) -> count
+    unreadable: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_format.values())
+
+    def text(self) -> str:
+        formats = ", ".join(f"{n} {ext[1:]}" for ext, n in sorted(self.by_format.items())) or "none"
+        lines = [f"{self.folder}: {self.total} images ({formats})",
+                 f"  captions: {self.captioned} found, {len(self.uncaptioned)} missing"]
+        if self.sizes:
+            smallest = min(self.sizes, key=lambda s: s[0] * s[1])
+            largest = max(self.sizes, key=lambda s: s[0] * s[1])
+            common = ", ".join(f"{w}x{h} ({n})" for (w, h), n in self.sizes.most_common(3))
+            lines.append(f"  sizes: smallest {smallest[0]}x{smallest[1]}, largest {largest[0]}x{largest[1]}; "
+                         f"most common {common}")
+        if self.unreadable:
+            lines.append(f"  unreadable: {len(self.unreadable)} ({', '.join(self.unreadable[:5])})")
+        return "\n".join(lines)
+
+
+def describe_folder(folder: Path) -> FolderReport:
+    """Counts by format, captions found and missing, image sizes, files that do not open as images."""
+    from PIL import Image
+
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"--images {folder}: no such folder")
+    scan = scan_dataset(folder)
+    report = FolderReport(folder.resolve(), dict(scan.images), scan.captioned, scan.uncaptioned)
+    for path in sorted(folder.iterdir()):
+        if path.suffix.lower() not in IMAGE_EXTENSIONS or not path.is_file():
+            continue
+        try:
+            with Image.open(path) as im:
+                im.verify()
+            with Image.open(path) as im:
+                report.sizes[im.size] += 1
+        except Exception:  # noqa: BLE001 - PIL raises many types for broken files
+            report.unreadable.append(path.name)
+    return report
+
+
+def write_dataset_config(
+    config_dir: Path,
+    name: str,
+    images: Path,
+    *,
+    trigger: str | None = None,
+    resolution: int = 1024,
+    repeats: int = 10,
+    force: bool = False,
+    report: FolderReport | None = None,
+    extra: dict | None = None,
+) -> Path:
+    """Write <config_dir>/dataset/<name>.yaml. Refuses an empty or missing folder, unreadable images,
+    uncaptioned images without a trigger word, and an existing config unless force."""
+    report = report or describe_folder(images)
+    problems = []
+    if not name or not all(c.isalnum() or c in "_-" for c in name):
+        problems.append(f"dataset name {name!r}: use letters, digits, '_' and '-'")
+    if report.total == 0:
+        problems.append(f"--images {report.folder}: no images ({' '.join(IMAGE_EXTENSIONS)})")
+    if report.unreadable:
+        problems.append(f"--images {report.folder}: {len(report.unreadable)} files do not open as images "
+                        f"({', '.join(report.unreadable[:5])}); fix or remove them")
+    if report.uncaptioned and not trigger:
+        problems.append(f"{len(report.uncaptioned)} images have no .txt caption; add captions or pass --trigger WORD")
+    if resolution % 16 or resolution < 64:
+        problems.append(f"--resolution {resolution}: must be a multiple of 16 (at least 64)")
+    path = Path(config_dir) / "dataset" / f"{name}.yaml"
+    if path.exists() and not force:
+        problems.append(f"{path} exists; pass --force to overwrite it")
+    if problems:
+        raise ConfigError(problems)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = [
+        f"# flux-train +dataset={name}",
+        f"# {report.total} images, {report.captioned} with captions (written by `flux-train dataset init`).",
+        f"name: {json.dumps(name)}",
+        f"images: {json.dumps(str(report.folder))}",
+        f"trigger: {json.dumps(trigger) if trigger else 'null'}  # starts every caption",
+        f"resolution: {resolution}  # training resolution; images are bucketed by aspect ratio around it",
+        f"repeats: {repeats}  # times each image is seen per epoch",
+    ]
+    body += [f"{k}: {json.dumps(v)}" for k, v in (extra or {}).items()]
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text("\n".join(body) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path

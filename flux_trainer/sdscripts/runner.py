@@ -1,0 +1,117 @@
+"""The training process: sd-scripts' FluxNetworkTrainer, subclassed, fed our TOMLs.
+
+`accelerate launch -m flux_trainer.sdscripts.runner --run-dir DIR` starts this. It reads `runner.json` from
+the run dir (written by the parent), puts the checkout on sys.path, parses the TOML with sd-scripts' own
+`setup_parser()` and `read_config_from_file`, and calls `train(args)` on our subclass. The subclass only
+overrides sd-scripts' hook methods: model loaded (random presets, kernels), step start/end (metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts
+
+log = logging.getLogger("flux_trainer.runner")
+RUNNER_SPEC = "runner.json"
+
+
+@dataclass
+class RunnerSpec:
+    """What the parent tells the training process, beside sd-scripts' own TOMLs."""
+
+    sd_scripts: str
+    train_toml: str
+    dataset_toml: str
+    random_model_dir: str | None = None  # a random preset whose shapes sd-scripts' loaders cannot build
+    kernels: dict[str, Any] = field(default_factory=lambda: {"set": "off"})
+    metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
+    tf32: bool = False
+
+    def write(self, run_dir: Path) -> Path:
+        path = run_dir / RUNNER_SPEC
+        path.write_text(json.dumps(self.__dict__, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunnerSpec:
+        return cls(**json.loads((run_dir / RUNNER_SPEC).read_text()))
+
+
+def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) -> type:
+    """Our FluxNetworkTrainer subclass, built against the checkout imported at run time."""
+    from flux_trainer.sdscripts import hooks
+
+    base = mods.flux_train_network.FluxNetworkTrainer
+
+    class FluxTrainTrainer(base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flux_train = hooks.RunHooks(spec, run_dir)
+
+        def load_target_model(self, args, weight_dtype, accelerator):
+            if spec.random_model_dir:
+                from flux_trainer.sdscripts.random_model import load_random_models
+
+                log.info("random model preset: building it from %s (not sd-scripts' full-size loaders)",
+                         spec.random_model_dir)
+                clip_l, t5xxl, ae, flux = load_random_models(Path(spec.random_model_dir), weight_dtype, "cpu")
+                self.is_swapping_blocks = False
+                result = (mods.flux_utils.MODEL_VERSION_FLUX_V1, [clip_l, t5xxl], ae, flux)
+            else:
+                result = super().load_target_model(args, weight_dtype, accelerator)
+            self.flux_train.model_loaded(result[3], accelerator)
+            return result
+
+        def prepare_unet_with_accelerator(self, args, accelerator, unet):
+            self.flux_train.before_prepare(unet, args, accelerator)
+            return super().prepare_unet_with_accelerator(args, accelerator, unet)
+
+        def on_step_start(self, args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train=True):
+            if is_train:
+                self.flux_train.step_start()
+            return super().on_step_start(args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train)
+
+        def step_logging(self, accelerator, logs, global_step, epoch):
+            logs.update(self.flux_train.step_end(accelerator, logs, global_step))
+            super().step_logging(accelerator, logs, global_step, epoch)
+
+    return FluxTrainTrainer
+
+
+def parse_sd_scripts_args(mods: SdScriptsModules, spec: RunnerSpec) -> argparse.Namespace:
+    """Exactly what `flux_train_network.py --config_file X --dataset_config Y` does with its arguments."""
+    parser = mods.flux_train_network.setup_parser()
+    args = parser.parse_args(["--config_file", spec.train_toml, "--dataset_config", spec.dataset_toml])
+    mods.train_util.verify_command_line_training_args(args)
+    return mods.train_util.read_config_from_file(args, parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="flux_trainer.sdscripts.runner", description=__doc__)
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ns = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = RunnerSpec.read(ns.run_dir)
+    if spec.tf32:
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    mods = import_sd_scripts(spec.sd_scripts)
+    args = parse_sd_scripts_args(mods, spec)
+    trainer = make_trainer_class(mods, spec, ns.run_dir)()
+    trainer.train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Composition of every shipped preset, the user's dataset configs, and each bad input's message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from flux_trainer.config import ConfigError
+from flux_trainer.config.paths import shipped_config_dir
+from flux_trainer.config.validate import validate
+from tests.conftest import make_images, write_dataset
+
+GROUP_OPTIONS = sorted(
+    (p.parent.name, p.stem) for p in shipped_config_dir().glob("*/*.yaml")
+)
+
+
+def test_there_are_presets_to_compose():
+    groups = {g for g, _ in GROUP_OPTIONS}
+    assert {"model", "network", "optimizer", "precision", "memory", "hardware", "kernels", "launcher"} <= groups
+    assert {"prodigy", "adamw", "adamw8bit", "adafactor"} <= {o for g, o in GROUP_OPTIONS if g == "optimizer"}
+
+
+@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS)
+def test_every_shipped_preset_composes_and_resolves(group, option, compose):
+    from omegaconf import OmegaConf
+
+    cfg = compose("+dataset=mychar", f"{group}={option}")
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    assert cfg[group].get("name", option) in (option, cfg[group].get("name"))
+
+
+def test_every_shipped_yaml_starts_with_the_command_that_uses_it():
+    for path in shipped_config_dir().rglob("*.yaml"):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# flux-train"), f"{path} does not start with its command"
+
+
+def test_user_dataset_found_in_cwd_configs(compose):
+    cfg = compose("+dataset=mychar")
+    assert cfg.dataset.name == "mychar" and cfg.dataset.trigger == "ohwx" and cfg.train.output_name == "mychar"
+
+
+def test_user_dataset_found_through_env_dir(tmp_path, monkeypatch):
+    from flux_trainer.config.compose import compose_run
+    from flux_trainer.config.paths import user_config_dirs
+
+    elsewhere = tmp_path / "elsewhere"
+    write_dataset(elsewhere, "envset", make_images(tmp_path / "imgs"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLUX_TRAIN_CONFIG_DIR", str(elsewhere))
+    assert elsewhere.resolve() in user_config_dirs()
+    assert compose_run(["+dataset=envset"]).dataset.name == "envset"
+
+
+def test_typo_in_a_key_names_the_key(compose):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as info:
+        compose("+dataset=mychar", "network.rnk=32")
+    assert "rnk" in str(info.value)
+
+
+def test_typo_inside_a_dataset_file_names_the_key(compose, workdir):
+    write_dataset(workdir / "configs", "typo", workdir / "pics" / "mychar", num_repeat=3)
+    with pytest.raises(Exception) as info:
+        compose("+dataset=typo")
+    assert "num_repeat" in str(info.value)
+
+
+def test_wrong_type_is_refused(compose):
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        compose("+dataset=mychar", "network.rank=sixteen")
+
+
+def test_unknown_optimizer_lists_choices(compose):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose("+dataset=mychar", "optimizer=sgdx")
+    assert "prodigy" in str(info.value) and "adamw" in str(info.value)
+
+
+def problems_of(cfg, **kw) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, **kw)
+    return info.value.problems
+
+
+def test_valid_default_passes_with_model_warnings_only_in_dry_run(compose):
+    cfg = compose("+dataset=mychar", "dry_run=true")
+    warnings = validate(cfg)
+    assert any("model.flux" in w for w in warnings)
+    assert validate(compose("+dataset=mychar", "model=random_tiny")) == []
+
+
+def test_missing_model_files_are_an_error_outside_dry_run(compose):
+    (p,) = [p for p in problems_of(compose("+dataset=mychar")) if "model.flux" in p]
+    assert "flux-train setup --models" in p
+
+
+def test_no_dataset(compose, workdir):
+    (p,) = problems_of(compose("model=random_tiny"), search_dirs=[workdir / "configs"])
+    assert "+dataset=NAME" in p and "mychar" in p
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["dataset.resolution=500"], "multiple of 16"),
+        (["dataset.resolution=4096"], "between 64 and 2048"),
+        (["network.rank=0"], "network.rank=0"),
+        (["network.rank=-4"], "positive integer"),
+        (["optimizer.name=sgd"], "optimizer.name=sgd"),
+        (["memory.blocks_to_swap=4", "memory.cpu_offload_checkpointing=true"], "cannot be combined"),
+        (["train.output_name=a/b"], "output_name"),
+        (["train.max_steps=0"], "train.max_steps=0"),
+        (["dataset.images=/nonexistent/x"], "does not exist"),
+        (["network.train_t5xxl=true"], "cache.text_encoder_outputs=false"),
+    ],
+)
+def test_bad_values_name_key_and_fix(overrides, needle, compose):
+    problems = problems_of(compose("+dataset=mychar", "model=random_tiny", *overrides))
+    assert any(needle in p for p in problems), problems
+
+
+def test_fp8_on_a_family_without_fp8(compose):
+    cfg = compose("+dataset=mychar", "model=random_tiny", "precision=fp8_base")
+    (p,) = problems_of(cfg, family="ampere")
+    assert "fp8" in p and "ampere" in p and "precision=bf16" in p
+    assert validate(cfg, family="hopper") == []
+    assert problems_of(compose("+dataset=mychar", "model=random_tiny", "memory=vram24", "hardware.family=ampere"))
+
+
+def test_folder_without_images_and_uncaptioned_without_trigger(compose, workdir):
+    empty = workdir / "empty"
+    empty.mkdir()
+    write_dataset(workdir / "configs", "empty", empty)
+    assert any("has no images" in p for p in problems_of(compose("+dataset=empty", "model=random_tiny")))
+    bare = make_images(workdir / "bare", captions=False)
+    write_dataset(workdir / "configs", "bare", bare)
+    (p,) = problems_of(compose("+dataset=bare", "model=random_tiny"))
+    assert "no .txt caption" in p and "dataset.trigger=WORD" in p
+    write_dataset(workdir / "configs", "bare2", bare, trigger="ohwx")
+    assert validate(compose("+dataset=bare2", "model=random_tiny")) == []
+
+
+def test_all_problems_reported_at_once(compose):
+    problems = problems_of(compose("+dataset=mychar", "model=random_tiny", "network.rank=0", "dataset.resolution=200"))
+    assert len(problems) == 2
+
+
+def test_random_preset_paths_live_in_the_model_cache(compose, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLUX_TRAIN_MODEL_CACHE", str(tmp_path / "mc"))
+    cfg = compose("+dataset=mychar", "model=random_tiny")
+    assert Path(cfg.model.flux).parent.parent == tmp_path / "mc"
+    assert Path(cfg.model.flux).name == "flux.safetensors" and "random-tiny-" in cfg.model.flux

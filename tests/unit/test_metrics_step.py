@@ -1,0 +1,195 @@
+"""StepMetrics with a fake clock (exact numbers), the CUDA path with torch.cuda faked, NVML absent/present."""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from flux_trainer.metrics.nvml import NvmlReader
+from flux_trainer.metrics.step import StepMetrics, reduce_max_across_ranks
+
+GIB = 1 << 30
+
+
+class FakeClock:
+    def __init__(self, *times: float) -> None:
+        self.times = list(times)
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.times.pop(0)
+
+
+def test_exact_times_and_throughput():
+    clock = FakeClock(0.0, 0.25, 1.0, 1.5, 3.0)
+    m = StepMetrics("cpu", flops_per_step=100e12, images_per_step=4, peak_tflops=200.0, clock=clock, nvml=None)
+    m.start()  # 0.0
+    m.mark_data_ready()  # 0.25
+    m.mark_data_ready()  # second micro-batch: not counted, no clock read
+    t1 = m.on_step_end(1)  # 1.0
+    assert t1["time/step_s"] == 1.0
+    assert t1["time/data_s"] == 0.25
+    assert t1["throughput/images_per_s"] == 4.0
+    assert t1["throughput/tflops"] == pytest.approx(100.0)
+    assert t1["throughput/mfu"] == pytest.approx(0.5)
+    m.mark_data_ready()  # 1.5
+    t2 = m.on_step_end(2)  # 3.0
+    assert (t2["time/step_s"], t2["time/data_s"], t2["throughput/images_per_s"]) == (2.0, 0.5, 2.0)
+    assert t2["throughput/tflops"] == pytest.approx(50.0)
+    assert clock.times == [] and clock.calls == 5
+
+
+def test_cpu_tags_first_step_and_no_peak():
+    m = StepMetrics("cpu", flops_per_step=1e12, images_per_step=1, clock=FakeClock(5.0, 6.0), nvml=None)
+    first = m.on_step_end(1)  # no start(): nothing to time from
+    assert {k: first[k] for k in ("vram/allocated_gib", "vram/reserved_gib", "vram/peak_gib")} == dict.fromkeys(
+        ("vram/allocated_gib", "vram/reserved_gib", "vram/peak_gib"), 0.0
+    )
+    assert not any(k.startswith(("time/", "throughput/", "gpu/")) for k in first)
+    assert 0.001 < first["host/ram_gib"] < 1024  # this process' RSS
+    second = m.on_step_end(2)
+    assert second["time/step_s"] == 1.0
+    assert "throughput/mfu" not in second  # peak unknown
+
+
+def test_log_every_averages_over_the_interval():
+    clock = FakeClock(0.0, 1.0, 3.0, 4.0, 8.0)
+    m = StepMetrics("cpu", 1e12, 2, clock=clock, nvml=None, log_every=2)
+    m.start()
+    assert m.on_step_end(1) == {}
+    assert m.on_step_end(2)["time/step_s"] == 1.5  # (3.0 - 0.0) / 2
+    assert m.on_step_end(3) == {}
+    tags = m.on_step_end(4)
+    assert tags["time/step_s"] == 2.5 and tags["throughput/images_per_s"] == 0.8
+    with pytest.raises(ValueError, match="log_every"):
+        StepMetrics("cpu", 1, 1, log_every=0)
+
+
+def test_disabled_does_nothing():
+    clock = FakeClock()
+    m = StepMetrics("cpu", 1, 1, enabled=False, clock=clock)
+    m.start()
+    m.mark_data_ready()
+    assert m.on_step_end(1) == {}
+    assert clock.calls == 0 and m.nvml is None
+
+
+def test_cuda_path_reads_allocator_resets_peak_and_never_syncs(monkeypatch):
+    calls = []
+    fake = {
+        "memory_allocated": lambda dev: 2 * GIB,
+        "memory_reserved": lambda dev: 3 * GIB,
+        "max_memory_allocated": lambda dev: 5 * GIB,
+        "reset_peak_memory_stats": lambda dev: calls.append(("reset", dev)),
+    }
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+
+    def no_sync(*_a, **_k):
+        raise AssertionError("StepMetrics must not synchronise the device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    m = StepMetrics("cuda:1", 1e12, 1, clock=FakeClock(0.0, 1.0), nvml=None)
+    m.start()
+    tags = m.on_step_end(1)
+    assert (tags["vram/allocated_gib"], tags["vram/reserved_gib"], tags["vram/peak_gib"]) == (2.0, 3.0, 5.0)
+    assert calls == [("reset", torch.device("cuda", 1))]
+
+
+def test_nvml_absent_gives_no_gpu_tags_and_no_noise(caplog, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    caplog.set_level(logging.INFO)
+
+    def broken_init():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    for reader in (NvmlReader(0), NvmlReader(0, nvml=types.SimpleNamespace(nvmlInit=broken_init))):
+        m = StepMetrics("cpu", 1e12, 1, clock=FakeClock(0.0, 1.0, 2.0), nvml=reader)
+        m.start()
+        for step in (1, 2):
+            tags = m.on_step_end(step)
+            assert "time/step_s" in tags
+            assert not [k for k in tags if k.startswith("gpu/")]
+        assert reader.available is False
+    assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+class FakeNvml:
+    NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_SM = 1
+
+    def __init__(self, power_supported: bool = True) -> None:
+        self.power_supported = power_supported
+        self.events: list[str] = []
+
+    def nvmlInit(self):
+        self.events.append("init")
+
+    def nvmlShutdown(self):
+        self.events.append("shutdown")
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return ("handle", index)
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        assert h == ("handle", 0)
+        return types.SimpleNamespace(gpu=97, memory=40)
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        if not self.power_supported:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return 612_345  # milliwatts
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        return 71 if sensor == self.NVML_TEMPERATURE_GPU else -1
+
+    def nvmlDeviceGetClockInfo(self, h, clock):
+        return 1980 if clock == self.NVML_CLOCK_SM else -1
+
+    def nvmlDeviceGetMaxClockInfo(self, h, clock):
+        return 1980
+
+
+def test_nvml_present_tags_and_unsupported_reading(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake = FakeNvml()
+    m = StepMetrics("cpu", 1e12, 1, clock=FakeClock(0.0, 1.0), nvml=NvmlReader(0, nvml=fake))
+    m.start()
+    tags = m.on_step_end(1)
+    assert {k: v for k, v in tags.items() if k.startswith("gpu/")} == {
+        "gpu/util_pct": 97.0,
+        "gpu/power_w": 612.345,
+        "gpu/temp_c": 71.0,
+        "gpu/sm_clock_mhz": 1980.0,
+    }
+    m.close()
+    assert fake.events == ["init", "shutdown"]
+    partial = NvmlReader(0, nvml=FakeNvml(power_supported=False)).read()
+    assert "gpu/power_w" not in partial and partial["gpu/temp_c"] == 71.0
+
+
+class FakeAccelerator:
+    def __init__(self, num_processes: int, others: list[list[float]]) -> None:
+        self.num_processes = num_processes
+        self.device = torch.device("cpu")
+        self.others = others
+        self.gathered = 0
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.gathered += 1
+        return torch.cat([tensor] + [torch.tensor(o, dtype=tensor.dtype) for o in self.others])
+
+
+def test_reduce_max_across_ranks():
+    values = {"vram/allocated_gib": 2.0, "vram/peak_gib": 9.0, "vram/reserved_gib": 4.0, "time/step_s": 0.5}
+    single = FakeAccelerator(1, [])
+    assert reduce_max_across_ranks(values, single) == values and single.gathered == 0
+    # Other rank's vram tags in sorted-key order: allocated, peak, reserved.
+    multi = FakeAccelerator(2, [[3.0, 8.0, 6.0]])
+    out = reduce_max_across_ranks(values, multi)
+    assert out == {"vram/allocated_gib": 3.0, "vram/peak_gib": 9.0, "vram/reserved_gib": 6.0, "time/step_s": 0.5}
+    assert multi.gathered == 1
+    assert values["vram/allocated_gib"] == 2.0  # input not modified
