@@ -54,9 +54,7 @@ def device_info(device: torch.device | str | int | None = None) -> DeviceInfo:
     device is a CUDA device, so calling it on a CPU-only machine never initialises CUDA."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
-    if isinstance(device, int):
-        dev = torch.device("cuda", device)
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if dev.type != "cuda":
         return DeviceInfo(type=dev.type, index=dev.index, name=dev.type, family="cpu" if dev.type == "cpu" else "other")
     index = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from flux_trainer.config.errors import ConfigError
 from flux_trainer.launch.device import DeviceInfo
@@ -20,7 +20,7 @@ RUNNER_MODULE = "flux_trainer.sdscripts.runner"
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
-def _int_or_none(value: Any) -> Optional[int]:
+def _int_or_none(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -61,7 +61,8 @@ def resolve_gpus(cfg: Any, info: DeviceInfo) -> int:
     elif info.is_gpu and gpus > info.count:
         problems.append(
             f"launcher.gpus={gpus} but only {info.count} GPU{'s' if info.count != 1 else ''} visible "
-            f"({info.describe()}; CUDA_VISIBLE_DEVICES limits this): use launcher.gpus={info.count} or launcher.gpus=all"
+            f"({info.describe()}; CUDA_VISIBLE_DEVICES limits this): use launcher.gpus={info.count} "
+            "or launcher.gpus=all"
         )
     nodes = launcher.nodes
     if nodes < 1:
@@ -72,8 +73,8 @@ def resolve_gpus(cfg: Any, info: DeviceInfo) -> int:
         problems.append(f"launcher.nodes={nodes} needs CUDA GPUs; this machine has {info.describe()}")
     if nodes > 1 and _loopback(str(launcher.main_address)):
         problems.append(
-            f"launcher.main_address={launcher.main_address} with launcher.nodes={nodes}: set it to an address of node 0 "
-            "that every node can reach"
+            f"launcher.main_address={launcher.main_address} with launcher.nodes={nodes}: set it to an address of "
+            "node 0 that every node can reach"
         )
     if not (0 if nodes == 1 else 1) <= launcher.main_port <= 65535:
         problems.append(f"launcher.main_port={launcher.main_port}: use a free TCP port 1-65535 (e.g. 29500)")
@@ -83,8 +84,9 @@ def resolve_gpus(cfg: Any, info: DeviceInfo) -> int:
     if mixed not in MIXED_PRECISION:
         problems.append(f"precision.mixed={mixed!r}: choose one of {', '.join(MIXED_PRECISION)}")
     elif mixed == "bf16" and info.is_gpu and not info.bf16:
-        problems.append(f"precision.mixed=bf16 needs sm_80 or newer; {info.describe()} has no bf16: use "
-                        "precision.mixed=fp16")
+        problems.append(
+            f"precision.mixed=bf16 needs sm_80 or newer; {info.describe()} has no bf16: use precision.mixed=fp16"
+        )
     if problems:
         raise ConfigError(problems)
     return gpus
@@ -125,9 +127,17 @@ def accelerate_config(cfg: Any, info: DeviceInfo) -> dict[str, Any]:
     return config
 
 
-def launch_command(cfg: Any, *, run_dir: Path, accelerate_config_path: Path, runner_args: list[str],
-                   info: DeviceInfo, python: str = sys.executable, cpu_threads: Optional[int] = None,
-                   module: str = RUNNER_MODULE) -> list[str]:
+def launch_command(
+    cfg: Any,
+    *,
+    run_dir: Path,
+    accelerate_config_path: Path,
+    runner_args: list[str],
+    info: DeviceInfo,
+    python: str = sys.executable,
+    cpu_threads: int | None = None,
+    module: str = RUNNER_MODULE,
+) -> list[str]:
     """`python -m accelerate.commands.launch ... -m flux_trainer.sdscripts.runner ARGS` as an argument list.
 
     `python -m accelerate.commands.launch` instead of the `accelerate` script: the same interpreter (venv) as
@@ -146,8 +156,15 @@ def launch_command(cfg: Any, *, run_dir: Path, accelerate_config_path: Path, run
     else:
         cmd += ["--cpu"]
     if processes > 1:
-        cmd += ["--multi_gpu", "--machine_rank", str(launcher.node_rank),
-                "--main_process_port", str(launcher.main_port), "--log_dir", str(Path(run_dir) / "torchrun")]
+        cmd += [
+            "--multi_gpu",
+            "--machine_rank",
+            str(launcher.node_rank),
+            "--main_process_port",
+            str(launcher.main_port),
+            "--log_dir",
+            str(Path(run_dir) / "torchrun"),
+        ]
         if launcher.nodes > 1:
             cmd += ["--main_process_ip", str(launcher.main_address)]
     else:

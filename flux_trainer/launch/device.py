@@ -10,13 +10,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 FAMILIES = ("blackwell_consumer", "blackwell", "hopper", "ada", "ampere", "older", "rocm", "cpu")
 
 # Capability -> the first CUDA toolkit that ships code for it; the torch build must be at least this "cuXYZ".
-_MIN_CUDA = {(12, 1): "12.9", (12, 0): "12.8", (11, 0): "13.0", (10, 3): "12.9", (10, 0): "12.8", (9, 0): "11.8",
-             (8, 9): "11.8", (8, 7): "11.4", (8, 6): "11.1", (8, 0): "11.0"}
+_MIN_CUDA = {
+    (12, 1): "12.9",
+    (12, 0): "12.8",
+    (11, 0): "13.0",
+    (10, 3): "12.9",
+    (10, 0): "12.8",
+    (9, 0): "11.8",
+    (8, 9): "11.8",
+    (8, 7): "11.4",
+    (8, 6): "11.1",
+    (8, 0): "11.0",
+}
 
 # Used only when the capability is unknown (e.g. a name read from nvidia-smi): first match wins.
 _NAME_FAMILIES = (
@@ -36,16 +45,16 @@ class DeviceInfo:
 
     name: str
     index: int
-    capability: Optional[tuple[int, int]]  # None without a GPU
+    capability: tuple[int, int] | None  # None without a GPU
     family: str  # one of FAMILIES
     vram_gib: float
     count: int  # visible GPUs (CUDA_VISIBLE_DEVICES applies)
     bf16: bool
     fp8: bool  # tensor-core fp8 matmuls (sm_89 and newer)
     torch_version: str = ""
-    torch_cuda: Optional[str] = None  # torch.version.cuda: the CUDA the wheel was built for; None on CPU builds
+    torch_cuda: str | None = None  # torch.version.cuda: the CUDA the wheel was built for; None on CPU builds
     arch_list: tuple[str, ...] = field(default_factory=tuple)  # torch.cuda.get_arch_list(): sm_XY / compute_XY
-    driver: Optional[str] = None  # NVIDIA kernel driver version, when readable without starting anything
+    driver: str | None = None  # NVIDIA kernel driver version, when readable without starting anything
 
     @property
     def is_gpu(self) -> bool:
@@ -57,11 +66,28 @@ class DeviceInfo:
         return not _NO_P2P_NAMES.search(self.name)
 
     @classmethod
-    def cpu(cls, torch_version: str = "", torch_cuda: Optional[str] = None,
-            arch_list: tuple[str, ...] = (), driver: Optional[str] = None) -> DeviceInfo:
+    def cpu(
+        cls,
+        torch_version: str = "",
+        torch_cuda: str | None = None,
+        arch_list: tuple[str, ...] = (),
+        driver: str | None = None,
+    ) -> DeviceInfo:
         """No usable GPU: a CPU run (tiny models, tests)."""
-        return cls(name="cpu", index=0, capability=None, family="cpu", vram_gib=0.0, count=0, bf16=False, fp8=False,
-                   torch_version=torch_version, torch_cuda=torch_cuda, arch_list=tuple(arch_list), driver=driver)
+        return cls(
+            name="cpu",
+            index=0,
+            capability=None,
+            family="cpu",
+            vram_gib=0.0,
+            count=0,
+            bf16=False,
+            fp8=False,
+            torch_version=torch_version,
+            torch_cuda=torch_cuda,
+            arch_list=tuple(arch_list),
+            driver=driver,
+        )
 
     def describe(self) -> str:
         """One line for logs and messages: 'NVIDIA GeForce RTX 5090 (sm_120, blackwell_consumer, 31.4 GiB) x2'."""
@@ -72,7 +98,7 @@ class DeviceInfo:
         return f"{self.name} ({cap}, {self.family}, {self.vram_gib:.1f} GiB){count}"
 
 
-def family_for(capability: Optional[tuple[int, int]], name: str = "") -> str:
+def family_for(capability: tuple[int, int] | None, name: str = "") -> str:
     """The GPU family that picks presets and environment profiles, from the compute capability.
 
     The name is only a fallback when the capability is unknown. Families follow what changes our choices:
@@ -131,7 +157,7 @@ def arch_supported(info: DeviceInfo) -> tuple[bool, str]:
     )
 
 
-def _driver_version() -> Optional[str]:
+def _driver_version() -> str | None:
     """The NVIDIA kernel driver's version from /proc: a file read, no subprocess, no CUDA context."""
     try:
         text = Path("/proc/driver/nvidia/version").read_text(encoding="utf-8", errors="replace")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from flux_trainer.launch.device import DeviceInfo
 
@@ -42,7 +41,7 @@ class EnvRule:
 
     name: str
     families: frozenset[str]
-    value: Callable[[_Context], Optional[str]]
+    value: Callable[[_Context], str | None]
     reason: str
     aliases: tuple[str, ...] = ()  # other names a user may have set for the same thing (their value wins)
 
@@ -54,47 +53,91 @@ def _alloc_conf(c: _Context) -> str:
     return conf
 
 
-def _arch_list(c: _Context) -> Optional[str]:
+def _arch_list(c: _Context) -> str | None:
     cap = c.info.capability
     if cap is None:
         return None
     return f"{cap[0]}.{cap[1]}"  # this card only: "12.0" RTX 50xx, "9.0" H100, "8.9" RTX 40xx, "8.6" RTX 30xx
 
 
-def _consumer_multi_gpu(c: _Context) -> Optional[str]:
+def _consumer_multi_gpu(c: _Context) -> str | None:
     return "1" if c.gpus > 1 and not c.info.peer_to_peer else None
 
 
 TABLE: tuple[EnvRule, ...] = (
-    EnvRule("PYTORCH_CUDA_ALLOC_CONF", _CUDA, _alloc_conf,
-            "expandable_segments: aspect-ratio buckets change activation shapes every step, growable segments stop "
-            "fragmentation OOMs; <= 24 GB cards also garbage_collection_threshold:0.8 to free cached blocks early",
-            aliases=("PYTORCH_ALLOC_CONF",)),
-    EnvRule(TF32_ENV, _TF32, lambda c: "1",
-            "the runner enables TF32 matmuls/convolutions: fp32 work (LoRA weights, optimizer, VAE) on tensor cores; "
-            "bf16 autocast is unaffected"),
-    EnvRule("TORCH_CUDA_ARCH_LIST", _CUDA, _arch_list,
-            "extensions built on this machine (xformers, flash-attn, custom ops) compile only for this card: shorter "
-            "builds, no 'no kernel image' at run time"),
-    EnvRule("NCCL_P2P_DISABLE", _CUDA, _consumer_multi_gpu,
-            "GeForce RTX 40xx/50xx have no GPU peer-to-peer; NCCL can hang or corrupt trying it"),
-    EnvRule("NCCL_IB_DISABLE", _CUDA, _consumer_multi_gpu,
-            "no InfiniBand in a consumer box; skip the probe (as accelerate does for RTX 40xx)"),
-    EnvRule("CUDA_MODULE_LOADING", _CUDA, lambda c: "LAZY",
-            "load CUDA kernels on first use: faster start, less host and GPU memory (torch's default, made visible)"),
-    EnvRule("OMP_NUM_THREADS", _ALL, lambda c: str(c.cpu_threads),
-            "CPU threads per training process (launcher.cpu_threads_per_process) so N processes do not oversubscribe "
-            "the cores; accelerate sets it from --num_cpu_threads_per_process"),
-    EnvRule("TOKENIZERS_PARALLELISM", _ALL, lambda c: "false",
-            "Hugging Face tokenizers' threads and forked data loader workers: silences the fork warning, avoids the "
-            "deadlock it warns about"),
-    EnvRule("PYTHONUNBUFFERED", _ALL, lambda c: "1",
-            "the child writes into a pipe: unbuffered output reaches the screen and train.log as it happens"),
-    EnvRule("TORCHINDUCTOR_CACHE_DIR", _ALL, lambda c: str(c.cache_dir / "torchinductor"),
-            "torch.compile artefacts persist in flux-train's cache (default /tmp is wiped): later runs skip most of "
-            "the compile time"),
-    EnvRule("TRITON_CACHE_DIR", _CUDA, lambda c: str(c.cache_dir / "triton"),
-            "compiled Triton kernels persist beside the inductor cache and are reused between runs"),
+    EnvRule(
+        "PYTORCH_CUDA_ALLOC_CONF",
+        _CUDA,
+        _alloc_conf,
+        "expandable_segments: aspect-ratio buckets change activation shapes every step, growable segments stop "
+        "fragmentation OOMs; <= 24 GB cards also garbage_collection_threshold:0.8 to free cached blocks early",
+        aliases=("PYTORCH_ALLOC_CONF",),
+    ),
+    EnvRule(
+        TF32_ENV,
+        _TF32,
+        lambda c: "1",
+        "the runner enables TF32 matmuls/convolutions: fp32 work (LoRA weights, optimizer, VAE) on tensor cores; "
+        "bf16 autocast is unaffected",
+    ),
+    EnvRule(
+        "TORCH_CUDA_ARCH_LIST",
+        _CUDA,
+        _arch_list,
+        "extensions built on this machine (xformers, flash-attn, custom ops) compile only for this card: shorter "
+        "builds, no 'no kernel image' at run time",
+    ),
+    EnvRule(
+        "NCCL_P2P_DISABLE",
+        _CUDA,
+        _consumer_multi_gpu,
+        "GeForce RTX 40xx/50xx have no GPU peer-to-peer; NCCL can hang or corrupt trying it",
+    ),
+    EnvRule(
+        "NCCL_IB_DISABLE",
+        _CUDA,
+        _consumer_multi_gpu,
+        "no InfiniBand in a consumer box; skip the probe (as accelerate does for RTX 40xx)",
+    ),
+    EnvRule(
+        "CUDA_MODULE_LOADING",
+        _CUDA,
+        lambda c: "LAZY",
+        "load CUDA kernels on first use: faster start, less host and GPU memory (torch's default, made visible)",
+    ),
+    EnvRule(
+        "OMP_NUM_THREADS",
+        _ALL,
+        lambda c: str(c.cpu_threads),
+        "CPU threads per training process (launcher.cpu_threads_per_process) so N processes do not oversubscribe "
+        "the cores; accelerate sets it from --num_cpu_threads_per_process",
+    ),
+    EnvRule(
+        "TOKENIZERS_PARALLELISM",
+        _ALL,
+        lambda c: "false",
+        "Hugging Face tokenizers' threads and forked data loader workers: silences the fork warning, avoids the "
+        "deadlock it warns about",
+    ),
+    EnvRule(
+        "PYTHONUNBUFFERED",
+        _ALL,
+        lambda c: "1",
+        "the child writes into a pipe: unbuffered output reaches the screen and train.log as it happens",
+    ),
+    EnvRule(
+        "TORCHINDUCTOR_CACHE_DIR",
+        _ALL,
+        lambda c: str(c.cache_dir / "torchinductor"),
+        "torch.compile artefacts persist in flux-train's cache (default /tmp is wiped): later runs skip most of "
+        "the compile time",
+    ),
+    EnvRule(
+        "TRITON_CACHE_DIR",
+        _CUDA,
+        lambda c: str(c.cache_dir / "triton"),
+        "compiled Triton kernels persist beside the inductor cache and are reused between runs",
+    ),
 )
 
 
@@ -106,7 +149,7 @@ class EnvRecord:
     value: str
     reason: str
     source: str
-    profile_value: Optional[str] = None  # what the profile would have set, when the user's own value won
+    profile_value: str | None = None  # what the profile would have set, when the user's own value won
 
 
 @dataclass
@@ -117,8 +160,9 @@ class Profile:
     records: list[EnvRecord] = field(default_factory=list)
 
 
-def environment_profile(info: DeviceInfo, user_env: Mapping[str, str], *, gpus: int, cache_dir: Path,
-                        cpu_threads: int = 2) -> Profile:
+def environment_profile(
+    info: DeviceInfo, user_env: Mapping[str, str], *, gpus: int, cache_dir: Path, cpu_threads: int = 2
+) -> Profile:
     """The profile for this device and run: every applicable rule of `TABLE`, the user's own values kept.
 
     `gpus` is processes per node (multi-GPU settings apply only above 1). `cpu_threads` should be the

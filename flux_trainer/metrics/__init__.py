@@ -10,13 +10,29 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "flops": ("StepFlops", "PeakTflops", "PEAK_BF16_TFLOPS", "flux_step_flops", "img_tokens_for", "mfu",
-              "peak_bf16_tflops"),
+    "flops": (
+        "StepFlops",
+        "PeakTflops",
+        "PEAK_BF16_TFLOPS",
+        "flux_step_flops",
+        "img_tokens_for",
+        "mfu",
+        "peak_bf16_tflops",
+    ),
     "step": ("StepMetrics", "reduce_max_across_ranks"),
     "health": ("LossGuard", "SlowdownDetector"),
     "nvml": ("NvmlReader",),
-    "tensorboard": ("RunSummary", "flatten_config", "list_runs", "read_hparams", "read_scalars", "read_texts",
-                    "summarize_run", "write_hparams", "write_run_text"),
+    "tensorboard": (
+        "RunSummary",
+        "flatten_config",
+        "list_runs",
+        "read_hparams",
+        "read_scalars",
+        "read_texts",
+        "summarize_run",
+        "write_hparams",
+        "write_run_text",
+    ),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -64,7 +64,9 @@ class NvmlReader:
             elif os.environ.get("CUDA_VISIBLE_DEVICES") is None:
                 self._handle = self._nvml.nvmlDeviceGetHandleByIndex(self.device_index)
             else:
-                logger.debug("NVML: no UUID for CUDA device %d under CUDA_VISIBLE_DEVICES; gpu/* off", self.device_index)
+                logger.debug(
+                    "NVML: no UUID for CUDA device %d under CUDA_VISIBLE_DEVICES; gpu/* off", self.device_index
+                )
                 return
         except Exception as exc:  # NVML missing is normal (CPU, no driver): say it once, quietly
             logger.debug("NVML unavailable, gpu/* tags off: %s", exc)

@@ -167,6 +167,6 @@ def reduce_max_across_ranks(values: Mapping[str, float], accelerator: Any) -> di
         return out
     local = torch.tensor([out[k] for k in keys], dtype=torch.float32, device=accelerator.device)
     gathered = accelerator.gather(local).reshape(-1, len(keys))
-    for key, value in zip(keys, gathered.max(dim=0).values.tolist()):
+    for key, value in zip(keys, gathered.max(dim=0).values.tolist(), strict=True):
         out[key] = float(value)
     return out

@@ -95,7 +95,9 @@ def _scalar_events(acc: Any) -> dict[str, list[tuple[float, int, float]]]:
 
     for tag in acc.Tags()["tensors"]:
         if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars":
-            out[tag] = [(e.wall_time, e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+            out[tag] = [
+                (e.wall_time, e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)
+            ]
     return out
 
 

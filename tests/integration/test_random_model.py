@@ -114,7 +114,8 @@ def test_tiny_runs_through_sd_scripts_encoding_and_flux_call(tiny, mods):
         img_ids = mods.flux_utils.prepare_img_ids(1, 4, 4).to(torch.bfloat16)
         out = flux(
             img=img, img_ids=img_ids, txt=t5_out, txt_ids=txt_ids, y=l_pooled,
-            timesteps=torch.tensor([0.5]), guidance=torch.full((1,), 1.0), txt_attention_mask=None,
+            timesteps=torch.tensor([0.5], dtype=torch.bfloat16), guidance=torch.full((1,), 1.0, dtype=torch.bfloat16),
+            txt_attention_mask=None,
         )
         decoded = ae.decode(latents)
     assert l_pooled.shape == (1, PRESETS["tiny"]["flux"]["vec_in_dim"])

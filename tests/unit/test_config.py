@@ -145,7 +145,7 @@ def test_folder_without_images_and_uncaptioned_without_trigger(compose, workdir)
 
 
 def test_all_problems_reported_at_once(compose):
-    problems = problems_of(compose("+dataset=mychar", "model=random_tiny", "network.rank=0", "dataset.resolution=200"))
+    problems = problems_of(compose("+dataset=mychar", "model=random_tiny", "network.rank=0", "dataset.resolution=520"))
     assert len(problems) == 2
 
 

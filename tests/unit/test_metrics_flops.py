@@ -20,6 +20,7 @@ T = TI + TT
 TINY = dict(hidden=H, depth=1, depth_single=1, mlp_ratio=2.0, img_tokens=TI, txt_tokens=TT, lora_rank=R)
 
 # Written out layer by layer, independently of the implementation's loops.
+# fmt: off
 DOUBLE_TOKENS = (
     mm(TI, H, 3 * H) + mm(TI, H, H) + mm(TI, H, M) + mm(TI, M, H)  # img: qkv, proj, mlp.0, mlp.2
     + mm(TT, H, 3 * H) + mm(TT, H, H) + mm(TT, H, M) + mm(TT, M, H)  # txt: the same
@@ -34,6 +35,7 @@ LORA = (
     + lora(1, H, 6 * H, R) * 2
     + lora(T, H, 3 * H + M, R) + lora(T, H + M, H, R) + lora(1, H, 3 * H, R)
 )
+# fmt: on
 EMBEDDERS = (mm(1, 256, H) + mm(1, H, H)) * 2 + mm(1, 768, H) + mm(1, H, H)  # time, guidance, vector
 FINAL_TOKENS = mm(TI, H, 64)
 IN_OUT = EMBEDDERS + mm(TI, 64, H) + mm(TT, 4096, H) + FINAL_TOKENS + mm(1, H, 2 * H)
