@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 from flux_trainer.config import ConfigError
-from flux_trainer.sdscripts.checkout import (
-    COMMIT_FILE,
-    PINNED_COMMIT,
-    REPO_URL,
-    checkout_commit,
-    default_location,
-)
+from flux_trainer.sdscripts.checkout import COMMIT_FILE, ENV_VAR, PINNED_COMMIT, REPO_URL, default_location, locate
 
 
 def clone_commands(dest: Path) -> list[list[str]]:
@@ -35,13 +30,19 @@ def manual_steps(dest: Path) -> str:
     )
 
 
-def setup_sd_scripts(dest: Path | None = None) -> Path:
+def setup_sd_scripts(dest: Path | None = None, configured: str | None = None) -> Path:
+    """An existing checkout (sd_scripts key, $FLUX_TRAIN_SD_SCRIPTS, the cache folder) is used as is."""
+    if dest is None:
+        try:
+            found = locate(configured)
+        except ConfigError:
+            if configured or os.environ.get(ENV_VAR):
+                raise
+        else:
+            state = "the pinned commit" if found.pinned else f"commit {found.commit or 'unknown'}, not {PINNED_COMMIT[:10]}"
+            print(f"sd-scripts: using {found.path} ({state}, from {found.source})")
+            return found.path
     dest = dest or default_location()
-    if (dest / "flux_train_network.py").is_file():
-        commit = checkout_commit(dest)
-        state = "the pinned commit" if commit == PINNED_COMMIT else f"commit {commit or 'unknown'}, not {PINNED_COMMIT[:10]}"
-        print(f"sd-scripts already at {dest} ({state})")
-        return dest
     if shutil.which("git") is None:
         raise ConfigError("git is not installed; " + manual_steps(dest))
     dest.parent.mkdir(parents=True, exist_ok=True)

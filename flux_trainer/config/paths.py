@@ -37,7 +37,13 @@ def user_config_dirs(cwd: Path | None = None, env: Mapping[str, str] = os.enviro
 
 
 def shipped_config_dir() -> Path:
-    """The `configs/` tree inside the installed package (mapped to `flux_trainer.configs`)."""
-    import flux_trainer.configs as shipped
+    """The `configs/` tree: inside an installed wheel it is `flux_trainer.configs`; in a source checkout on
+    sys.path (tests, `python -m`) it is the checkout's top-level `configs/`."""
+    try:
+        import flux_trainer.configs as shipped
 
-    return Path(shipped.__file__).parent
+        return Path(shipped.__file__).parent
+    except ImportError:
+        import flux_trainer
+
+        return Path(flux_trainer.__file__).resolve().parent.parent / "configs"

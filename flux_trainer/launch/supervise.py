@@ -25,6 +25,7 @@ from typing import TextIO
 _LADDER = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)  # Ctrl-C once, twice, three times
 _TAIL_LINES = 200  # kept for explain_failure
 _SHOWN_LINES = 20  # printed after a failure
+_TAIL_CHARS = 65536  # longest unfinished line kept
 # Smaller presets in order: an OOM at one tier suggests the next.
 MEMORY_TIERS = ("vram80", "vram48", "vram32", "vram24", "vram16", "vram12")
 # Import names whose pip package has another name.
@@ -67,6 +68,7 @@ class _Tee:
                 if piece[-1] in "\r\n":
                     self._end_line(self._partial[:-1], carriage=piece[-1] == "\r")
                     self._partial = ""
+            self._partial = self._partial[-_TAIL_CHARS:]  # output without line ends must not grow without bound
 
     def _end_line(self, line: str, *, carriage: bool) -> None:
         # A '\r' line is a progress bar redraw: it replaces the previous redraw instead of filling the tail.

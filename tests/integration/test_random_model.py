@@ -223,13 +223,13 @@ def test_full_preset_builds_the_same_models_as_sd_scripts(mods, tmp_path):
     dev = mods.flux_models.configs["dev"]
     assert dataclasses.replace(dev.params, **PRESETS["full"]["flux"]) == dev.params
     assert dataclasses.replace(dev.ae_params, **PRESETS["full"]["ae"]) == dev.ae_params
-    # our configs for CLIP/T5 must equal the effective ones sd-scripts' loaders build (on meta: nothing allocated)
+    # the effective CLIP/T5 configs of our modules must equal those sd-scripts' loaders build (all on meta)
     theirs_clip = mods.flux_utils.load_clip_l(None, torch.float32, "cpu", state_dict={}).config
-    ours_clip = rm.clip_config(PRESETS["full"]["clip_l"])
+    ours_clip = rm.build_empty(mods, "clip_l", PRESETS["full"]["clip_l"]).config
     for key in [*rm.CLIP_BASE, *PRESETS["full"]["clip_l"]]:
         assert getattr(ours_clip, key) == getattr(theirs_clip, key), key
     theirs_t5 = mods.flux_utils.load_t5xxl(None, torch.float32, "cpu", state_dict={}).config
-    ours_t5 = rm.t5_config(PRESETS["full"]["t5xxl"])
+    ours_t5 = rm.build_empty(mods, "t5xxl", PRESETS["full"]["t5xxl"]).config
     for key in [*rm.T5_BASE, *PRESETS["full"]["t5xxl"], "dense_act_fn", "is_gated_act"]:
         assert getattr(ours_t5, key) == getattr(theirs_t5, key), key
 

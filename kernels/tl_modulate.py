@@ -1,0 +1,116 @@
+"""Triton kernels: LayerNorm (no affine) + `(1 + scale) * x + shift`, and the gated residual `x + gate * y`
+(imported only by `fast.py`, lazily).
+
+Forward: one program per row (b, l) over the whole hidden dim C (3072 -> a 4096-wide tile), statistics in fp32,
+one rounding at the end. The reference path writes the LayerNorm output, `1 + scale`, the product and the sum
+as four separate tensors. LayerNorm keeps mean and rstd per row (8 bytes) for its backward.
+
+Backward: the modulation vectors are per batch row [B, 1, C], so their gradients are sums over L. A program
+owns a run of rows of one batch element and accumulates those sums in fp32 registers; the few partial rows
+are summed by torch afterwards (Liger-Kernel's RMSNorm does the same for its weight gradient).
+  modulate: g = dy * (1 + scale), dx = rstd * (g - mean(g) - xn * mean(g * xn)), dscale = sum dy * xn,
+            dshift = sum dy.
+  gated:    dx = dy (no kernel), dy_in = dy * gate, dgate = sum dy * y.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def modulate_fwd(
+    x_ptr, shift_ptr, scale_ptr, out_ptr, mean_ptr, rstd_ptr,
+    L, C, sx_b, sx_l, ssh_b, ssc_b, so_b, so_l, eps,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    l = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    m = offs < C
+    x = tl.load(x_ptr + b * sx_b + l * sx_l + offs, mask=m, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / C
+    xc = tl.where(m, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / C + eps)
+    sh = tl.load(shift_ptr + b * ssh_b + offs, mask=m, other=0.0).to(tl.float32)
+    sc = tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
+    y = (1.0 + sc) * (xc * rstd) + sh
+    tl.store(out_ptr + b * so_b + l * so_l + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(mean_ptr + b * L + l, mean)
+    tl.store(rstd_ptr + b * L + l, rstd)
+
+
+@triton.jit
+def modulate_bwd(
+    dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dsc_part_ptr, dsh_part_ptr,
+    L, C, rows_per_prog, n_progs,
+    sdy_b, sdy_l, sx_b, sx_l, ssc_b, sdx_b, sdx_l,
+    BLOCK_C: tl.constexpr, COMPUTE_DSS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    m = offs < C
+    sc1 = 1.0 + tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
+    acc_sc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc_sh = tl.zeros([BLOCK_C], dtype=tl.float32)
+    start = pid * rows_per_prog
+    end = tl.minimum(start + rows_per_prog, L)
+    for l in range(start, end):
+        x = tl.load(x_ptr + b * sx_b + l * sx_l + offs, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + b * sdy_b + l * sdy_l + offs, mask=m, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + b * L + l)
+        rstd = tl.load(rstd_ptr + b * L + l)
+        xn = tl.where(m, (x - mean) * rstd, 0.0)
+        g = dy * sc1
+        mg = tl.sum(g, axis=0) / C
+        mgx = tl.sum(g * xn, axis=0) / C
+        dx = rstd * (g - mg - xn * mgx)
+        tl.store(dx_ptr + b * sdx_b + l * sdx_l + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        if COMPUTE_DSS:
+            acc_sc += dy * xn
+            acc_sh += dy
+    if COMPUTE_DSS:
+        part = (b * n_progs + pid) * C
+        tl.store(dsc_part_ptr + part + offs, acc_sc, mask=m)
+        tl.store(dsh_part_ptr + part + offs, acc_sh, mask=m)
+
+
+@triton.jit
+def gated_fwd(
+    x_ptr, gate_ptr, y_ptr, out_ptr,
+    C, sx_b, sx_l, sg_b, sy_b, sy_l, so_b, so_l,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    l = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    m = offs < C
+    x = tl.load(x_ptr + b * sx_b + l * sx_l + offs, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + b * sy_b + l * sy_l + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + b * so_b + l * so_l + offs, (x + g * y).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def gated_bwd(
+    do_ptr, gate_ptr, y_ptr, dy_ptr, dg_part_ptr,
+    L, C, rows_per_prog, n_progs,
+    sdo_b, sdo_l, sg_b, sy_b, sy_l, sdy_b, sdy_l,
+    BLOCK_C: tl.constexpr, COMPUTE_DGATE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    m = offs < C
+    g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    start = pid * rows_per_prog
+    end = tl.minimum(start + rows_per_prog, L)
+    for l in range(start, end):
+        do = tl.load(do_ptr + b * sdo_b + l * sdo_l + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(dy_ptr + b * sdy_b + l * sdy_l + offs, (do * g).to(dy_ptr.dtype.element_ty), mask=m)
+        if COMPUTE_DGATE:
+            y = tl.load(y_ptr + b * sy_b + l * sy_l + offs, mask=m, other=0.0).to(tl.float32)
+            acc += do * y
+    if COMPUTE_DGATE:
+        tl.store(dg_part_ptr + (b * n_progs + pid) * C + offs, acc, mask=m)

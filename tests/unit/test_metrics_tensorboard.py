@@ -1,0 +1,99 @@
+"""Synthetic runs written like sd-scripts + our texts/HParams, read back with TensorBoard's own reader."""
+
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from flux_trainer.metrics.tensorboard import (
+    flatten_config,
+    list_runs,
+    read_hparams,
+    read_scalars,
+    read_texts,
+    summarize_run,
+    write_hparams,
+    write_run_text,
+)
+
+CONFIG_YAML = "# resolved config\nnetwork:\n  rank: 16\n"
+
+
+def fake_sd_scripts_run(logdir, steps, loss0=1.0, step_s=0.5, peak=20.0, loss_tags=("loss/current", "loss/average")):
+    """What accelerate's TensorBoard tracker writes for sd-scripts, plus our per-step tags."""
+    with SummaryWriter(str(logdir)) as w:
+        for s in range(1, steps + 1):
+            for tag in loss_tags:
+                w.add_scalar(tag, loss0 / s, s)
+            w.add_scalar("lr/unet", 1e-4, s)
+            w.add_scalar("time/step_s", step_s + 0.01 * (s % 3), s)
+            w.add_scalar("vram/peak_gib", peak + (s == 2), s)
+            w.add_scalar("throughput/tflops", 250.0, s)
+
+
+def test_scalars_texts_hparams_round_trip(tmp_path):
+    logdir = tmp_path / "logs" / "20261121" / "network_train"
+    fake_sd_scripts_run(logdir, steps=4)
+    write_run_text(logdir, {"config": CONFIG_YAML, "command": "accelerate launch \\\n  -m x", "gpu": "NVIDIA H200"})
+    config = {"network": {"rank": 16, "alpha": 16.0, "args": ["train_blocks=all"]}, "bf16": True, "seed": None}
+    write_hparams(logdir, config, {"loss/average": None, "summary/final_loss": 0.25})
+
+    scalars = read_scalars(logdir)
+    assert {"loss/current", "loss/average", "lr/unet", "time/step_s", "vram/peak_gib", "summary/final_loss"} <= set(
+        scalars
+    )
+    assert scalars["loss/current"] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3)), (4, 0.25)]
+    assert [s for s, _ in scalars["vram/peak_gib"]] == [1, 2, 3, 4]
+    assert scalars["vram/peak_gib"][1][1] == 21.0
+    assert scalars["summary/final_loss"] == [(0, 0.25)]
+
+    texts = read_texts(logdir)
+    assert texts == {"run/config": CONFIG_YAML, "run/command": "accelerate launch \\\n  -m x", "run/gpu": "NVIDIA H200"}
+
+    assert read_hparams(logdir) == {
+        "network.rank": 16.0,
+        "network.alpha": 16.0,
+        "network.args": "['train_blocks=all']",
+        "bf16": "True",
+        "seed": "None",
+    }
+
+
+def test_flatten_config():
+    assert flatten_config({"a": {"b": {"c": 1}}, "d": False, "e": (1, 2), "f": "x"}) == {
+        "a.b.c": 1,
+        "d": "False",
+        "e": "(1, 2)",
+        "f": "x",
+    }
+
+
+def test_summarize_run_nested_and_prefers_loss_current(tmp_path):
+    run = tmp_path / "run"
+    fake_sd_scripts_run(run / "logs" / "a" / "network_train", steps=5, loss0=2.0, peak=30.0)
+    write_run_text(run / "logs" / "a" / "network_train", {"gpu": "NVIDIA GeForce RTX 4090"})
+    s = summarize_run(run)
+    assert s.path == str(run)
+    assert (s.steps_done, s.loss_tag, s.last_loss) == (5, "loss/current", pytest.approx(0.4))
+    assert s.median_step_s == pytest.approx(0.51)  # 0.51 0.52 0.5 0.51 0.52
+    assert s.peak_vram_gib == 31.0
+    assert s.median_tflops == 250.0
+    assert s.gpu == "NVIDIA GeForce RTX 4090"
+    assert s.started is not None and s.updated is not None and s.started <= s.updated
+
+
+def test_summarize_accepts_other_loss_tags_and_missing_run(tmp_path):
+    fake_sd_scripts_run(tmp_path / "r", steps=3, loss_tags=("loss/epoch",))
+    s = summarize_run(tmp_path / "r")
+    assert (s.loss_tag, s.steps_done, s.gpu) == ("loss/epoch", 3, None)
+    with pytest.raises(FileNotFoundError, match="no TensorBoard event files"):
+        summarize_run(tmp_path / "empty")
+
+
+def test_list_runs_over_two_runs(tmp_path):
+    fake_sd_scripts_run(tmp_path / "outputs" / "mychar" / "logs" / "t1" / "network_train", steps=3, peak=10.0)
+    fake_sd_scripts_run(tmp_path / "outputs" / "style" / "logs" / "t2" / "network_train", steps=7, peak=40.0)
+    (tmp_path / "outputs" / "not_a_run").mkdir()
+    runs = list_runs(tmp_path / "outputs")
+    assert [r.path.split("/")[-4] for r in runs] == ["mychar", "style"]  # oldest first
+    assert [(r.steps_done, r.peak_vram_gib) for r in runs] == [(3, 11.0), (7, 41.0)]
+    assert all(r.loss_tag == "loss/current" for r in runs)
+    assert list_runs(tmp_path / "outputs" / "not_a_run") == []
