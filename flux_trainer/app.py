@@ -66,6 +66,13 @@ def tokenizer_dir(cfg: DictConfig) -> Path:
     return cache_root() / "tokenizers"
 
 
+def absolute_paths(cfg: DictConfig) -> None:
+    """sd-scripts runs in a child process: give it absolute paths, whatever the cwd."""
+    for part in ("flux", "ae", "clip_l", "t5xxl"):
+        cfg.model[part] = str(Path(str(cfg.model[part])).expanduser().absolute())
+    cfg.dataset.images = str(Path(cfg.dataset.images).expanduser().absolute())
+
+
 @dataclass
 class Prepared:
     run_dir: Path
@@ -85,6 +92,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
         if not ok:
             raise ConfigError(why)
     resolve_memory(cfg, info)
+    absolute_paths(cfg)
     try:
         checkout = sd_checkout.locate(cfg.sd_scripts)
     except ConfigError:

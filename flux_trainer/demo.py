@@ -30,8 +30,14 @@ MANIFEST = "demo.json"
 PREFIX = "demo_"
 
 
-def _draw(shape: str, colour: tuple[int, int, int], background: tuple[int, int, int], extent: float,
-          centre: tuple[float, float], size: int) -> Image.Image:
+def _draw(
+    shape: str,
+    colour: tuple[int, int, int],
+    background: tuple[int, int, int],
+    extent: float,
+    centre: tuple[float, float],
+    size: int,
+) -> Image.Image:
     image = Image.new("RGB", (size, size), background)
     draw = ImageDraw.Draw(image)
     cx, cy = centre[0] * size, centre[1] * size
@@ -56,13 +62,15 @@ def demo_items(n: int, seed: int) -> list[dict]:
         colour, background = rng.sample(sorted(COLOURS), 2)
         size_word = rng.choice(sorted(SIZES))
         margin = SIZES[size_word] / 2 + 0.05
-        items.append({
-            "shape": SHAPES[(i + seed) % len(SHAPES)],
-            "colour": colour,
-            "background": background,
-            "size": size_word,
-            "centre": (rng.uniform(margin, 1 - margin), rng.uniform(margin, 1 - margin)),
-        })
+        items.append(
+            {
+                "shape": SHAPES[(i + seed) % len(SHAPES)],
+                "colour": colour,
+                "background": background,
+                "size": size_word,
+                "centre": (rng.uniform(margin, 1 - margin), rng.uniform(margin, 1 - margin)),
+            }
+        )
     return items
 
 
@@ -102,9 +110,15 @@ def make_demo_dataset(folder: Path, n: int = 8, size: int = 256, seed: int = 0) 
     for stale in folder.glob(f"{PREFIX}*"):
         if stale.stem not in names and stale.suffix in (".png", ".txt"):
             stale.unlink()
-    for stem, item in zip(names, demo_items(n, seed)):
-        image = _draw(item["shape"], COLOURS[item["colour"]], COLOURS[item["background"]], SIZES[item["size"]],
-                      item["centre"], size)
+    for stem, item in zip(names, demo_items(n, seed), strict=True):
+        image = _draw(
+            item["shape"],
+            COLOURS[item["colour"]],
+            COLOURS[item["background"]],
+            SIZES[item["size"]],
+            item["centre"],
+            size,
+        )
         _atomic_write(folder / f"{stem}.png", lambda p, image=image: image.save(p, format="PNG"))
         _atomic_write(folder / f"{stem}.txt", lambda p, item=item: p.write_text(caption(item) + "\n"))
     _atomic_write(manifest, lambda p: p.write_text(json.dumps(params) + "\n"))

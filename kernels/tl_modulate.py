@@ -16,12 +16,14 @@ are summed by torch afterwards (Liger-Kernel's RMSNorm does the same for its wei
 import triton
 import triton.language as tl
 
+from flux_kernels.tl_common import cast
+
 
 @triton.jit
 def modulate_fwd(
     x_ptr, shift_ptr, scale_ptr, out_ptr, mean_ptr, rstd_ptr,
     L, C, sx_b, sx_l, ssh_b, ssc_b, so_b, so_l, eps,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
     l = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -34,7 +36,7 @@ def modulate_fwd(
     sh = tl.load(shift_ptr + b * ssh_b + offs, mask=m, other=0.0).to(tl.float32)
     sc = tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
     y = (1.0 + sc) * (xc * rstd) + sh
-    tl.store(out_ptr + b * so_b + l * so_l + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + b * so_b + l * so_l + offs, cast(y, out_ptr.dtype.element_ty, RTNE), mask=m)
     tl.store(mean_ptr + b * L + l, mean)
     tl.store(rstd_ptr + b * L + l, rstd)
 
@@ -44,7 +46,7 @@ def modulate_bwd(
     dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dsc_part_ptr, dsh_part_ptr,
     L, C, rows_per_prog, n_progs,
     sdy_b, sdy_l, sx_b, sx_l, ssc_b, sdx_b, sdx_l,
-    BLOCK_C: tl.constexpr, COMPUTE_DSS: tl.constexpr,
+    BLOCK_C: tl.constexpr, COMPUTE_DSS: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -65,7 +67,7 @@ def modulate_bwd(
         mg = tl.sum(g, axis=0) / C
         mgx = tl.sum(g * xn, axis=0) / C
         dx = rstd * (g - mg - xn * mgx)
-        tl.store(dx_ptr + b * sdx_b + l * sdx_l + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        tl.store(dx_ptr + b * sdx_b + l * sdx_l + offs, cast(dx, dx_ptr.dtype.element_ty, RTNE), mask=m)
         if COMPUTE_DSS:
             acc_sc += dy * xn
             acc_sh += dy
@@ -79,7 +81,7 @@ def modulate_bwd(
 def gated_fwd(
     x_ptr, gate_ptr, y_ptr, out_ptr,
     C, sx_b, sx_l, sg_b, sy_b, sy_l, so_b, so_l,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
     l = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -88,7 +90,7 @@ def gated_fwd(
     x = tl.load(x_ptr + b * sx_b + l * sx_l + offs, mask=m, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + b * sy_b + l * sy_l + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + b * so_b + l * so_l + offs, (x + g * y).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + b * so_b + l * so_l + offs, cast(x + g * y, out_ptr.dtype.element_ty, RTNE), mask=m)
 
 
 @triton.jit
@@ -96,7 +98,7 @@ def gated_bwd(
     do_ptr, gate_ptr, y_ptr, dy_ptr, dg_part_ptr,
     L, C, rows_per_prog, n_progs,
     sdo_b, sdo_l, sg_b, sy_b, sy_l, sdy_b, sdy_l,
-    BLOCK_C: tl.constexpr, COMPUTE_DGATE: tl.constexpr,
+    BLOCK_C: tl.constexpr, COMPUTE_DGATE: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -108,7 +110,7 @@ def gated_bwd(
     end = tl.minimum(start + rows_per_prog, L)
     for l in range(start, end):
         do = tl.load(do_ptr + b * sdo_b + l * sdo_l + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(dy_ptr + b * sdy_b + l * sdy_l + offs, (do * g).to(dy_ptr.dtype.element_ty), mask=m)
+        tl.store(dy_ptr + b * sdy_b + l * sdy_l + offs, cast(do * g, dy_ptr.dtype.element_ty, RTNE), mask=m)
         if COMPUTE_DGATE:
             y = tl.load(y_ptr + b * sy_b + l * sy_l + offs, mask=m, other=0.0).to(tl.float32)
             acc += do * y

@@ -14,6 +14,8 @@ The rounding between norm and rope is treated as identity, as autograd does for 
 import triton
 import triton.language as tl
 
+from flux_kernels.tl_common import cast
+
 
 @triton.jit
 def _load_pe(pe_row, offs_j, mask_j):
@@ -26,7 +28,10 @@ def _load_pe(pe_row, offs_j, mask_j):
 
 
 @triton.jit
-def _fwd_tile(x_row, s_h, w_ptr, o_row, so_h, f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D: tl.constexpr):
+def _fwd_tile(
+    x_row, s_h, w_ptr, o_row, so_h, f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps,
+    D: tl.constexpr, RTNE: tl.constexpr,
+):  # fmt: skip
     ptr = x_row + offs_h[:, None] * s_h + 2 * offs_j[None, :]
     xe = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     xo = tl.load(ptr + 1, mask=mask, other=0.0).to(tl.float32)
@@ -34,11 +39,11 @@ def _fwd_tile(x_row, s_h, w_ptr, o_row, so_h, f00, f01, f10, f11, offs_h, offs_j
     we = tl.load(w_ptr + 2 * offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
     wo = tl.load(w_ptr + 2 * offs_j + 1, mask=mask_j, other=0.0).to(tl.float32)[None, :]
     out_ty = o_row.dtype.element_ty
-    ye = ((xe * rrms) * we).to(out_ty).to(tl.float32)
-    yo = ((xo * rrms) * wo).to(out_ty).to(tl.float32)
+    ye = cast((xe * rrms) * we, out_ty, RTNE).to(tl.float32)
+    yo = cast((xo * rrms) * wo, out_ty, RTNE).to(tl.float32)
     optr = o_row + offs_h[:, None] * so_h + 2 * offs_j[None, :]
-    tl.store(optr, (f00 * ye + f01 * yo).to(out_ty), mask=mask)
-    tl.store(optr + 1, (f10 * ye + f11 * yo).to(out_ty), mask=mask)
+    tl.store(optr, cast(f00 * ye + f01 * yo, out_ty, RTNE), mask=mask)
+    tl.store(optr + 1, cast(f10 * ye + f11 * yo, out_ty, RTNE), mask=mask)
 
 
 @triton.jit
@@ -49,7 +54,7 @@ def qk_norm_rope_fwd(
     so_b, so_h, so_l,
     spe_b, spe_l,
     eps,
-    D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
     l = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -60,16 +65,16 @@ def qk_norm_rope_fwd(
     f00, f01, f10, f11 = _load_pe(pe_ptr + b * spe_b + (l_off + l) * spe_l, offs_j, mask_j)
     o_off = b * so_b + (l_off + l) * so_l
     _fwd_tile(q_ptr + b * sq_b + l * sq_l, sq_h, qw_ptr, qo_ptr + o_off, so_h,
-              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D)  # fmt: skip
+              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, RTNE)  # fmt: skip
     _fwd_tile(k_ptr + b * sk_b + l * sk_l, sk_h, kw_ptr, ko_ptr + o_off, so_h,
-              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D)  # fmt: skip
+              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, RTNE)  # fmt: skip
 
 
 @triton.jit
 def _bwd_tile(
     x_row, s_h, w_ptr, do_row, sdo_h, dx_row, sdx_h, dw_row,
     f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps,
-    D: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    D: tl.constexpr, COMPUTE_DW: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
     ptr = x_row + offs_h[:, None] * s_h + 2 * offs_j[None, :]
     xe = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
@@ -88,8 +93,8 @@ def _bwd_tile(
     r3 = rrms * rrms * rrms
     out_ty = dx_row.dtype.element_ty
     xptr = dx_row + offs_h[:, None] * sdx_h + 2 * offs_j[None, :]
-    tl.store(xptr, (rrms * ge - xe * r3 * c).to(out_ty), mask=mask)
-    tl.store(xptr + 1, (rrms * go - xo * r3 * c).to(out_ty), mask=mask)
+    tl.store(xptr, cast(rrms * ge - xe * r3 * c, out_ty, RTNE), mask=mask)
+    tl.store(xptr + 1, cast(rrms * go - xo * r3 * c, out_ty, RTNE), mask=mask)
     if COMPUTE_DW:
         tl.store(dw_row + 2 * offs_j, tl.sum(dye * xe * rrms, axis=0), mask=mask_j)
         tl.store(dw_row + 2 * offs_j + 1, tl.sum(dyo * xo * rrms, axis=0), mask=mask_j)
@@ -105,6 +110,7 @@ def qk_norm_rope_bwd(
     spe_b, spe_l,
     eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    RTNE: tl.constexpr,
 ):  # fmt: skip
     l = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -117,7 +123,7 @@ def qk_norm_rope_bwd(
     d_off = b * sd_b + l * sd_l
     _bwd_tile(q_ptr + b * sq_b + l * sq_l, sq_h, qw_ptr, dqo_ptr + b * sdqo_b + (l_off + l) * sdqo_l, sdqo_h,
               dq_ptr + d_off, sd_h, dqw_ptr + row * D,
-              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, COMPUTE_DW)  # fmt: skip
+              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, COMPUTE_DW, RTNE)  # fmt: skip
     _bwd_tile(k_ptr + b * sk_b + l * sk_l, sk_h, kw_ptr, dko_ptr + b * sdko_b + (l_off + l) * sdko_l, sdko_h,
               dk_ptr + d_off, sd_h, dkw_ptr + row * D,
-              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, COMPUTE_DW)  # fmt: skip
+              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, COMPUTE_DW, RTNE)  # fmt: skip

@@ -18,27 +18,18 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO
+
+from flux_trainer.launch.failure import explain_failure
+
+__all__ = ["explain_failure", "run_supervised"]
 
 _LADDER = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)  # Ctrl-C once, twice, three times
 _TAIL_LINES = 200  # kept for explain_failure
 _SHOWN_LINES = 20  # printed after a failure
 _TAIL_CHARS = 65536  # longest unfinished line kept
-# Smaller presets in order: an OOM at one tier suggests the next.
-MEMORY_TIERS = ("vram80", "vram48", "vram32", "vram24", "vram16", "vram12")
-# Import names whose pip package has another name.
-_PIP_NAMES = {
-    "cv2": "opencv-python-headless",
-    "PIL": "pillow",
-    "yaml": "pyyaml",
-    "google": "protobuf",
-    "sklearn": "scikit-learn",
-    "pynvml": "nvidia-ml-py",
-    "bitsandbytes": "bitsandbytes",
-}
-_SD_SCRIPTS_MODULES = {"library", "networks", "flux_train_network", "train_network"}
 
 
 class _Tee:
@@ -126,7 +117,7 @@ def run_supervised(
         raise TypeError("run_supervised takes a non-empty argument list, never a shell string")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a", encoding="utf-8", errors="replace") as log:
+    with open(log_path, "a", encoding="utf-8", errors="replace", newline="") as log:
         tee = _Tee(log, sys.stdout if echo is None else echo)
         state: dict = {"step": 0, "proc": None, "pending": None}
 
@@ -167,7 +158,10 @@ def run_supervised(
             for s, h in previous.items():
                 signal.signal(s, h)
         code = 128 - rc if rc < 0 else rc
-        if code != 0:
+        if code != 0 and state["step"]:
+            # Stopped on request: launchers turn that into exit 1 and a traceback; no failure to explain.
+            tee.say(f"training stopped on request (exit code {code}); the log is {log_path}")
+        elif code != 0:
             _report_failure(tee, code, log_path, memory_tier)
         return code
 
@@ -223,87 +217,3 @@ def _is_signal(n: int) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _next_tier(memory_tier: str | None) -> str:
-    if memory_tier in MEMORY_TIERS:
-        i = MEMORY_TIERS.index(memory_tier)
-        if i + 1 < len(MEMORY_TIERS):
-            return f"try the next smaller memory preset: memory={MEMORY_TIERS[i + 1]}"
-        return (
-            f"memory={memory_tier} is already the smallest preset: raise memory.blocks_to_swap, or lower "
-            "dataset.resolution (768 or 512)"
-        )
-    return "pick a memory preset below your card's VRAM (memory=vram24, vram16, vram12)"
-
-
-def _missing_module(m: re.Match) -> str:
-    name = m.group(1)
-    top = name.split(".")[0]
-    if top in _SD_SCRIPTS_MODULES:
-        return (
-            f"cause: sd-scripts' module '{name}' was not importable: point sd_scripts=... or FLUX_TRAIN_SD_SCRIPTS "
-            "at a checkout of the pinned commit."
-        )
-    return f"cause: Python module '{name}' is missing: pip install {_PIP_NAMES.get(top, top)}"
-
-
-_CAUSES: tuple[tuple[str, Callable[[re.Match, str | None], str]], ...] = (
-    (
-        r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory",
-        lambda m, tier: (
-            f"cause: the GPU ran out of memory. {_next_tier(tier)}; or turn on "
-            "memory.gradient_checkpointing=true, or store the base model in fp8: precision=fp8_base."
-        ),
-    ),
-    (
-        r"no kernel image is available|not compatible with the current PyTorch installation|"
-        r"CUDA error: invalid device function",
-        lambda m, tier: (
-            "cause: this torch build has no kernels for your GPU. Install the PyTorch build for your card's "
-            "CUDA (RTX 50xx / B200 need CUDA 12.8 or newer: pytorch.org 'Get started' selector, cu128) in this "
-            "environment, then run again."
-        ),
-    ),
-    (
-        r"CUDA driver version is insufficient",
-        lambda m, tier: (
-            "cause: the NVIDIA driver is older than the CUDA this torch build needs: update the driver, "
-            "or install a torch build for an older CUDA."
-        ),
-    ),
-    (r"No module named '([\w.]+)'", lambda m, tier: _missing_module(m)),
-    (
-        r"cannot import name 'CLIPFeatureExtractor'|FLAX_WEIGHTS_NAME",
-        lambda m, tier: (
-            "cause: transformers 5 is installed; sd-scripts needs transformers 4: "
-            "pip install 'transformers>=4.54.1,<5' 'huggingface_hub<1'"
-        ),
-    ),
-    (
-        r"(?i)\b(?:avr_loss|loss)\s*[=:]\s*nan\b|\bloss is nan\b|\bnan loss\b|\bnans? (?:value|detected)",
-        lambda m, tier: (
-            "cause: the loss became NaN. Lower optimizer.lr, keep precision.mixed=bf16 (fp16 overflows), "
-            "keep optimizer.max_grad_norm > 0, and check the dataset for broken images."
-        ),
-    ),
-    (
-        r"Address already in use|another process is utilizing it|EADDRINUSE",
-        lambda m, tier: "cause: the rendezvous port is taken: set launcher.main_port to a free port (e.g. 29501).",
-    ),
-)
-
-
-def explain_failure(log_tail: list[str], memory_tier: str | None) -> str:
-    """The likely cause of a failed run and its fix, from the end of its log; a plain pointer when unknown.
-
-    Of the known causes, the one mentioned last wins: a traceback's final line comes after earlier warnings
-    (an optional module that was not found, a NaN that was survived).
-    """
-    text = "\n".join(log_tail)
-    best: tuple[int, str] | None = None
-    for pattern, message in _CAUSES:
-        matches = list(re.finditer(pattern, text))
-        if matches and (best is None or matches[-1].end() > best[0]):
-            best = (matches[-1].end(), message(matches[-1], memory_tier))
-    return best[1] if best else "cause: not recognised; the traceback above usually names it."

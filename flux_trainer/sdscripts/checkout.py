@@ -6,6 +6,7 @@ Order: the `sd_scripts` config key, then $FLUX_TRAIN_SD_SCRIPTS, then <cache>/sd
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import logging
@@ -131,6 +132,17 @@ def install_torchvision_shim() -> bool:
     sys.modules["torchvision.transforms.functional"] = tv.transforms.functional
     log.info("torchvision is not importable: using flux-train's minimal torchvision.transforms for sd-scripts")
     return True
+
+
+@contextlib.contextmanager
+def sd_scripts_argv(argv: list[str]):
+    """sd-scripts' `read_config_from_file` re-parses `sys.argv`; make it see what its own CLI would."""
+    saved = sys.argv
+    sys.argv = ["flux_train_network.py", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 @dataclass

@@ -1,7 +1,5 @@
-"""What our trainer subclass does at sd-scripts' hook points: kernels after the model loads, metrics per step.
-
-Kept apart from runner.py so the hook logic is testable without building a trainer.
-"""
+"""What our trainer subclass does at sd-scripts' hook points: kernels before the model is prepared, metrics
+and health per step, run texts once. Kept apart from runner.py so it is testable without a trainer."""
 
 from __future__ import annotations
 
@@ -10,33 +8,82 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("flux_trainer.runner")
+RUN_TEXT_FILES = {"config": "config.yaml", "command": "command.txt", "environment": "env.json"}
+
+
+class NonFiniteLoss(RuntimeError):
+    """Raised from step logging to stop sd-scripts' loop when the loss stays NaN/inf."""
 
 
 class RunHooks:
     def __init__(self, spec: Any, run_dir: Path) -> None:
         self.spec = spec
-        self.run_dir = run_dir
+        self.run_dir = Path(run_dir)
         self.metrics = None
+        self.loss_guard = None
+        self.slowdown = None
         self.kernels_installed: list[str] = []
-        self._flux = None
+        self._texts_written = False
 
-    # model loaded: remember the transformer; kernels go in once the LoRA is applied (before_prepare)
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
-        self._flux = flux
+        """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
 
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
         if self.spec.metrics.get("enabled", True):
-            self.metrics = make_step_metrics(unet, args, accelerator, self.spec.metrics)
+            from flux_trainer.metrics.health import LossGuard, SlowdownDetector
+
+            self.metrics = make_step_metrics(args, accelerator, self.spec.metrics)
+            self.loss_guard = LossGuard(patience=3)
+            self.slowdown = SlowdownDetector(nvml=self.metrics.nvml)
 
     def step_start(self) -> None:
         if self.metrics is not None:
             self.metrics.mark_data_ready()
 
     def step_end(self, accelerator: Any, logs: dict, global_step: int) -> dict[str, float]:
+        """Tags to add to sd-scripts' logs for this step. Runs on the main process only (sd-scripts tracks there)."""
         if self.metrics is None:
             return {}
-        return self.metrics.on_step_end(global_step)
+        if not self._texts_written:
+            self._texts_written = True
+            self.write_run_texts(accelerator)
+        tags = self.metrics.on_step_end(global_step)
+        if "loss/current" in logs and (msg := self.loss_guard.check(float(logs["loss/current"]), global_step)):
+            log.error(msg)
+            raise NonFiniteLoss(msg + f"; the last saved state in {self.run_dir} is intact (resume=auto)")
+        if "time/step_s" in tags and (msg := self.slowdown.observe(tags["time/step_s"], global_step)):
+            log.warning(msg)
+        return tags
+
+    def write_run_texts(self, accelerator: Any) -> None:
+        """Config, command, environment profile, GPU and kernels as TensorBoard text, in sd-scripts' run."""
+        from flux_trainer.metrics.tensorboard import write_run_text
+
+        logdir = tracker_logdir(accelerator)
+        if logdir is None:
+            return
+        texts = {k: (self.run_dir / f).read_text() for k, f in RUN_TEXT_FILES.items() if (self.run_dir / f).exists()}
+        texts["gpu"] = device_name(accelerator.device)
+        texts["kernels"] = ", ".join(self.kernels_installed) or "none (plain sd-scripts compute path)"
+        write_run_text(logdir, texts)
+
+
+def tracker_logdir(accelerator: Any) -> str | None:
+    """The directory of sd-scripts' TensorBoard tracker, so our texts land in the same run."""
+    try:
+        writer = accelerator.get_tracker("tensorboard", unwrap=True)
+        return getattr(writer, "log_dir", None) or writer.get_logdir()
+    except Exception:  # noqa: BLE001 - no tensorboard tracker configured
+        return None
+
+
+def device_name(device: Any) -> str:
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return "cpu"
 
 
 def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str]:
@@ -44,23 +91,26 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
     if kernels.get("set", "off") == "off":
         log.info("kernels: off (plain sd-scripts compute path)")
         return []
-    try:
-        from flux_kernels import patch, registry
-    except ImportError as exc:  # pragma: no cover - flux_kernels ships with flux-train
-        log.warning("kernels: flux_kernels unavailable (%s); plain sd-scripts compute path", exc)
-        return []
+    from flux_kernels import patch, registry
+
     selection = registry.select(kernels.get("set", "auto"), device)
     installed = patch.apply_kernels(unet, selection)
     log.info("kernels installed: %s", ", ".join(installed) or "none")
     return installed
 
 
-def make_step_metrics(unet: Any, args: Any, accelerator: Any, options: dict[str, Any]) -> Any:
+def make_step_metrics(args: Any, accelerator: Any, options: dict[str, Any]) -> Any:
+    """Per-GPU numbers: one optimizer step sees batch x accumulation images and that many FLOPs."""
+    from flux_trainer.metrics.flops import peak_bf16_tflops
     from flux_trainer.metrics.step import StepMetrics
 
-    return StepMetrics(
+    accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    name = device_name(accelerator.device)
+    metrics = StepMetrics(
         device=accelerator.device,
-        flops_per_step=options.get("flops_per_step"),
-        images_per_step=options.get("images_per_step", 1),
-        peak_tflops=options.get("peak_tflops"),
+        flops_per_step=float(options.get("flops_per_step", 0.0)) * accum,
+        images_per_step=float(options.get("images_per_step", 1)) * accum,
+        peak_tflops=peak_bf16_tflops(name) if name != "cpu" else None,
     )
+    metrics.start()
+    return metrics

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import toml
 
-from flux_trainer.sdscripts.checkout import SdScriptsModules
+from flux_trainer.sdscripts.checkout import SdScriptsModules, sd_scripts_argv
 from flux_trainer.sdscripts.parser_schema import check_training_keys, describe_parser
 
 
@@ -25,9 +25,10 @@ def live_check(mods: SdScriptsModules, train_toml: Path, dataset_toml: Path) -> 
         flat.update(value if isinstance(value, dict) else {})
     problems.extend(check_training_keys(flat, describe_parser(parser)))
     out = io.StringIO()
+    argv = ["--config_file", str(train_toml), "--dataset_config", str(dataset_toml)]
     try:
-        with contextlib.redirect_stderr(out):
-            args = parser.parse_args(["--config_file", str(train_toml), "--dataset_config", str(dataset_toml)])
+        with contextlib.redirect_stderr(out), sd_scripts_argv(argv):
+            args = parser.parse_args(argv)
             mods.train_util.read_config_from_file(args, parser)
     except SystemExit:
         problems.append(f"sd-scripts' parser refused {train_toml.name}: {out.getvalue().strip().splitlines()[-1:]}")

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -33,6 +33,9 @@ from safetensors.torch import load_file
 from flux_trainer.config.errors import ConfigError
 from flux_trainer.random_specs import PARTS, PRESETS, preset_file
 from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts, locate
+
+if TYPE_CHECKING:
+    from transformers import CLIPTextConfig, T5Config
 
 _log = logging.getLogger(__name__)
 
@@ -46,14 +49,29 @@ _ALIGN = 256  # data section starts on a 256-byte boundary, as sd-scripts' own w
 # fields that come from the preset. Note sd-scripts' CLIP dict ends with hidden_act="gelu" (the real CLIP-L uses
 # quick_gelu): we follow sd-scripts, since that is the model a run gets. tests check these against sd-scripts.
 CLIP_BASE: dict[str, Any] = {
-    "hidden_act": "gelu", "layer_norm_eps": 1e-5, "max_position_embeddings": 77, "attention_dropout": 0.0,
-    "dropout": 0.0, "initializer_range": 0.02, "initializer_factor": 1.0, "bos_token_id": 0, "eos_token_id": 2,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-5,
+    "max_position_embeddings": 77,
+    "attention_dropout": 0.0,
+    "dropout": 0.0,
+    "initializer_range": 0.02,
+    "initializer_factor": 1.0,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
     "pad_token_id": 1,
 }
 T5_BASE: dict[str, Any] = {
-    "feed_forward_proj": "gated-gelu", "layer_norm_epsilon": 1e-6, "relative_attention_num_buckets": 32,
-    "relative_attention_max_distance": 128, "dropout_rate": 0.1, "initializer_factor": 1.0, "is_encoder_decoder": True,
-    "tie_word_embeddings": False, "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0,
+    "feed_forward_proj": "gated-gelu",
+    "layer_norm_epsilon": 1e-6,
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "dropout_rate": 0.1,
+    "initializer_factor": 1.0,
+    "is_encoder_decoder": True,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "decoder_start_token_id": 0,
 }
 # FLUX fields sd-scripts does read from the checkpoint (block counts, dev vs schnell): they never need our loader.
 _FLUX_FROM_CHECKPOINT = ("depth", "depth_single_blocks", "guidance_embed")
@@ -90,14 +108,14 @@ def _sd_scripts(sd_scripts: str | None = None) -> tuple[SdScriptsModules, str | 
     return import_sd_scripts(checkout.path), checkout.commit
 
 
-def clip_config(shapes: dict[str, Any]):
+def clip_config(shapes: dict[str, Any]) -> CLIPTextConfig:
     """transformers' CLIPTextConfig for a preset: sd-scripts' settings with the preset's widths."""
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(**CLIP_BASE, **shapes)
 
 
-def t5_config(shapes: dict[str, Any]):
+def t5_config(shapes: dict[str, Any]) -> T5Config:
     """transformers' T5Config for a preset: sd-scripts' settings with the preset's widths."""
     from transformers import T5Config
 
@@ -247,8 +265,12 @@ def ensure_random_model(
     log(f"{banner}; generating into {folder} on {device}")
     for index, part in enumerate(PARTS):
         metadata = {
-            "format": "pt", "flux_trainer.random_weights": "true", "flux_trainer.note": NOTE,
-            "flux_trainer.preset": preset, "flux_trainer.part": part, "flux_trainer.seed": str(seed),
+            "format": "pt",
+            "flux_trainer.random_weights": "true",
+            "flux_trainer.note": NOTE,
+            "flux_trainer.preset": preset,
+            "flux_trainer.part": part,
+            "flux_trainer.seed": str(seed),
             "flux_trainer.sd_scripts_commit": commit or "unknown",
         }
         if _part_is_current(paths[part], metadata):

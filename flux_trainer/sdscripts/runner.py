@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts
+from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts, sd_scripts_argv
 
 log = logging.getLogger("flux_trainer.runner")
 RUNNER_SPEC = "runner.json"
@@ -89,9 +89,11 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
 def parse_sd_scripts_args(mods: SdScriptsModules, spec: RunnerSpec) -> argparse.Namespace:
     """Exactly what `flux_train_network.py --config_file X --dataset_config Y` does with its arguments."""
     parser = mods.flux_train_network.setup_parser()
-    args = parser.parse_args(["--config_file", spec.train_toml, "--dataset_config", spec.dataset_toml])
-    mods.train_util.verify_command_line_training_args(args)
-    return mods.train_util.read_config_from_file(args, parser)
+    argv = ["--config_file", spec.train_toml, "--dataset_config", spec.dataset_toml]
+    with sd_scripts_argv(argv):
+        args = parser.parse_args(argv)
+        mods.train_util.verify_command_line_training_args(args)
+        return mods.train_util.read_config_from_file(args, parser)
 
 
 def main(argv: list[str] | None = None) -> int:

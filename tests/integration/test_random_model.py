@@ -113,8 +113,13 @@ def test_tiny_runs_through_sd_scripts_encoding_and_flux_call(tiny, mods):
         img = mods.flux_utils.pack_latents(latents)
         img_ids = mods.flux_utils.prepare_img_ids(1, 4, 4).to(torch.bfloat16)
         out = flux(
-            img=img, img_ids=img_ids, txt=t5_out, txt_ids=txt_ids, y=l_pooled,
-            timesteps=torch.tensor([0.5], dtype=torch.bfloat16), guidance=torch.full((1,), 1.0, dtype=torch.bfloat16),
+            img=img,
+            img_ids=img_ids,
+            txt=t5_out,
+            txt_ids=txt_ids,
+            y=l_pooled,
+            timesteps=torch.tensor([0.5], dtype=torch.bfloat16),
+            guidance=torch.full((1,), 1.0, dtype=torch.bfloat16),
             txt_attention_mask=None,
         )
         decoded = ae.decode(latents)

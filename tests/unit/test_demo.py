@@ -20,7 +20,7 @@ def test_images_and_captions_agree(tmp_path):
     folder = make_demo_dataset(tmp_path / "demo", n=6, size=64, seed=3)
     pngs, txts = _pairs(folder)
     assert [p.stem for p in pngs] == [t.stem for t in txts] == [f"demo_{i:03d}" for i in range(6)]
-    for png, txt in zip(pngs, txts):
+    for png, txt in zip(pngs, txts, strict=True):
         match = CAPTION.match(txt.read_text().strip())
         assert match, txt.read_text()
         _, colour, shape, background = match.groups()

@@ -55,11 +55,14 @@ def test_cpu_tags_first_step_and_no_peak():
 
 
 def test_log_every_averages_over_the_interval():
-    clock = FakeClock(0.0, 1.0, 3.0, 4.0, 8.0)
+    clock = FakeClock(0.0, 0.5, 1.0, 1.25, 3.0, 4.0, 8.0)
     m = StepMetrics("cpu", 1e12, 2, clock=clock, nvml=None, log_every=2)
     m.start()
+    m.mark_data_ready()  # waited 0.5
     assert m.on_step_end(1) == {}
-    assert m.on_step_end(2)["time/step_s"] == 1.5  # (3.0 - 0.0) / 2
+    m.mark_data_ready()  # waited 0.25
+    tags = m.on_step_end(2)
+    assert (tags["time/step_s"], tags["time/data_s"]) == (1.5, 0.375)  # (3.0 - 0.0) / 2, (0.5 + 0.25) / 2
     assert m.on_step_end(3) == {}
     tags = m.on_step_end(4)
     assert tags["time/step_s"] == 2.5 and tags["throughput/images_per_s"] == 0.8
@@ -106,7 +109,10 @@ def test_nvml_absent_gives_no_gpu_tags_and_no_noise(caplog, monkeypatch):
     def broken_init():
         raise RuntimeError("NVML Shared Library Not Found")
 
-    for reader in (NvmlReader(0), NvmlReader(0, nvml=types.SimpleNamespace(nvmlInit=broken_init))):
+    queried = []
+    fake = types.SimpleNamespace(nvmlInit=broken_init, nvmlDeviceGetHandleByIndex=lambda i: queried.append(i))
+    fake.nvmlDeviceGetUtilizationRates = fake.nvmlDeviceGetTemperature = lambda *a: queried.append(a)
+    for reader in (NvmlReader(0), NvmlReader(0, nvml=fake)):
         m = StepMetrics("cpu", 1e12, 1, clock=FakeClock(0.0, 1.0, 2.0), nvml=reader)
         m.start()
         for step in (1, 2):
@@ -114,6 +120,7 @@ def test_nvml_absent_gives_no_gpu_tags_and_no_noise(caplog, monkeypatch):
             assert "time/step_s" in tags
             assert not [k for k in tags if k.startswith("gpu/")]
         assert reader.available is False
+    assert queried == []  # after a failed init NVML is not asked again, step after step
     assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
 
 

@@ -1,0 +1,312 @@
+"""Attention backend choice: every backend that can run here, measured forward+backward at the real shape,
+checked against a float32 math reference, the fastest correct one chosen, the verdict cached on disk.
+
+A backend maps post-RoPE q, k, v [B, H, L, D] and an optional boolean mask [B, H, Lq, Lk] (True = attend, as
+sd-scripts builds it) to [B, H, L, D]. SageAttention is listed so the reason is visible, but it has no backward
+pass and is never selected for training.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flux_kernels.device import as_device_info
+
+log = logging.getLogger(__name__)
+
+# A backend is correct if its error against the fp32 truth is within this, or within 3x the error of PyTorch's
+# own math backend run in the same dtype (long sequences in bf16 are legitimately that far off).
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 2e-3}
+CACHE_ENV = "FLUX_KERNELS_CACHE"
+SAGE_REASON = "SageAttention has no backward pass (inference only); never selected for training"
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    run: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+    requires: str = ""  # importable module it needs ("" = torch only)
+    cuda_only: bool = True
+    trainable: bool = True
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class BackendResult:
+    name: str
+    ok: bool
+    error: str = ""
+    max_err: float | None = None
+    ms_fwd_bwd: float | None = None
+    chosen: bool = False
+
+
+def _sdpa(kind: str):
+    def run(q, k, v, mask):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, kind)]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return run
+
+
+def _default_sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _xformers(q, k, v, mask):
+    import xformers.ops as xops
+
+    bias = None
+    if mask is not None:  # xformers wants an additive bias whose last dim is padded to a multiple of 8
+        B, H, Lq, Lk = mask.shape
+        pad = (Lk + 7) // 8 * 8
+        bias = q.new_zeros(B, H, Lq, pad)[..., :Lk]
+        bias.masked_fill_(~mask, float("-inf"))
+    out = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=bias)
+    return out.transpose(1, 2)
+
+
+def _flash_attn(q, k, v, mask):
+    if mask is not None:
+        raise NotImplementedError("flash-attn's dense API takes no attention mask")
+    from flash_attn import flash_attn_func
+
+    return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def _sage(q, k, v, mask):
+    raise NotImplementedError(SAGE_REASON)
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    b.name: b
+    for b in (
+        AttentionBackend("sdpa", _default_sdpa, cuda_only=False, note="PyTorch's own choice (sd-scripts' path)"),
+        AttentionBackend("sdpa_cudnn", _sdpa("CUDNN_ATTENTION")),
+        AttentionBackend("sdpa_flash", _sdpa("FLASH_ATTENTION"), cuda_only=False),
+        AttentionBackend("sdpa_efficient", _sdpa("EFFICIENT_ATTENTION")),
+        AttentionBackend("sdpa_math", _sdpa("MATH"), cuda_only=False),
+        AttentionBackend("xformers", _xformers, requires="xformers"),
+        AttentionBackend("flash_attn", _flash_attn, requires="flash_attn"),
+        AttentionBackend("sage", _sage, requires="sageattention", trainable=False, note=SAGE_REASON),
+    )
+}
+
+
+def library_versions() -> dict[str, str]:
+    """Versions that change which attention kernels exist or how fast they are: part of the cache key."""
+    out = {"torch": torch.__version__, "cuda": str(torch.version.cuda), "cudnn": "none"}
+    if torch.backends.cudnn.is_available():
+        out["cudnn"] = str(torch.backends.cudnn.version())
+    for dist in ("xformers", "flash_attn", "sageattention"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "none"
+    return out
+
+
+def cache_key(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device,
+    with_mask: bool,
+    versions: Mapping[str, str] | None = None,
+    backends: Sequence[str] = (),
+) -> str:
+    """Device name + capability + library versions + the backends tried + shape/dtype/mask: a new torch, cuDNN,
+    xformers or GPU never reuses an old verdict."""
+    info = as_device_info(device)
+    versions = library_versions() if versions is None else versions
+    cap = f"sm{info.capability[0]}{info.capability[1]}" if info.capability else info.type
+    libs = ",".join(f"{k}={versions[k]}" for k in sorted(versions))
+    dt = str(dtype).removeprefix("torch.")
+    tried = ",".join(sorted(backends))
+    return f"{info.name}|{cap}|{libs}|{tried}|{'x'.join(map(str, shape))}|{dt}|mask={with_mask}"
+
+
+def default_cache_path() -> Path:
+    """$FLUX_KERNELS_CACHE, else <flux-train's cache folder>/kernels/attention_probe.json (same root as
+    flux_trainer.config.paths.cache_root, read here from the environment so this package stands alone)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    root = os.environ.get("FLUX_TRAIN_CACHE")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flux-trainer")
+    return Path(root).expanduser() / "kernels" / "attention_probe.json"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, key: str, results: Sequence[BackendResult]) -> None:
+    """Read-modify-replace: several ranks may probe at once; the file is always whole."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_cache(path)
+        data[key] = [asdict(r) for r in results]
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("attention probe: could not write cache %s (%s)", path, e)
+
+
+def _unavailable(backend: AttentionBackend, dev: torch.device) -> str:
+    if not backend.trainable:
+        return backend.note
+    if backend.requires and importlib.util.find_spec(backend.requires) is None:
+        return f"{backend.requires} is not installed"
+    if backend.cuda_only and dev.type != "cuda":
+        return f"needs CUDA (device is {dev.type})"
+    return ""
+
+
+def _inputs(shape, dtype, dev, with_mask: bool, seed: int = 0):
+    B, H, L, D = shape
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v, go = (torch.randn(B, H, L, D, generator=g).to(dev, dtype) for _ in range(4))
+    mask = None
+    if with_mask:  # a text-padding mask like sd-scripts': some keys masked, the first always kept
+        keep = torch.rand(B, L, generator=g) > 0.25
+        keep[:, 0] = True
+        mask = keep.to(dev)[:, None, None, :].expand(B, H, L, L)
+    return q, k, v, go, mask
+
+
+def _fwd_bwd(run, q, k, v, go, mask):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = run(q, k, v, mask)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+    return out, dq, dk, dv
+
+
+def _rel_err(got: Sequence[Tensor], want: Sequence[Tensor]) -> float:
+    errs = [((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() for g, w in zip(got, want)]
+    return float("nan") if any(e != e for e in errs) else max(errs)
+
+
+def _time_ms(fn, dev: torch.device, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def probe_attention(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device,
+    with_mask: bool,
+    *,
+    backends: Mapping[str, AttentionBackend] | None = None,
+    cache_path: Path | str | None = None,
+    use_cache: bool = True,
+    warmup: int = 2,
+    reps: int = 5,
+) -> list[BackendResult]:
+    """Run every backend forward+backward at `shape` (B, H, L, D), compare output and gradients with SDPA's
+    math backend in fp32, time the correct ones; return all results, fastest correct first (`chosen`)."""
+    dev = as_device_info(device).torch_device
+    backends = BACKENDS if backends is None else backends
+    path = Path(cache_path) if cache_path else default_cache_path()
+    key = cache_key(tuple(shape), dtype, device, with_mask, backends=list(backends))
+    if use_cache:
+        hit = _read_cache(path).get(key)
+        if hit and all(r.get("name") in backends for r in hit):
+            return [BackendResult(**r) for r in hit]
+    q, k, v, go, mask = _inputs(shape, dtype, dev, with_mask)
+    want = _fwd_bwd(_sdpa("MATH"), *(t.float() for t in (q, k, v, go)), mask)
+    base = _rel_err(_fwd_bwd(_sdpa("MATH"), q, k, v, go, mask), want)
+    tol = max(TOLERANCE.get(dtype, 2e-2), 3 * base)
+    results = []
+    for name, backend in backends.items():
+        why = _unavailable(backend, dev)
+        if why:
+            results.append(BackendResult(name, False, why))
+            continue
+        try:
+            err = _rel_err(_fwd_bwd(backend.run, q, k, v, go, mask), want)
+            if not err <= tol:
+                results.append(BackendResult(name, False, f"wrong: max rel. error {err:.2e} > {tol:.2e}", err))
+                continue
+            ms = _time_ms(lambda b=backend: _fwd_bwd(b.run, q, k, v, go, mask), dev, warmup, reps)
+            results.append(BackendResult(name, True, "", err, ms))
+        except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend; the reason is reported
+            results.append(BackendResult(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+    results.sort(key=lambda r: (not r.ok, r.ms_fwd_bwd if r.ok else 0.0))
+    if results and results[0].ok:
+        results[0] = BackendResult(**{**asdict(results[0]), "chosen": True})
+    if use_cache:
+        _write_cache(path, key, results)
+    return results
+
+
+def chosen(results: Sequence[BackendResult]) -> str | None:
+    return next((r.name for r in results if r.chosen), None)
+
+
+class AttentionDispatch:
+    """Callable (q, k, v, mask) -> [B, H, L, D] that uses the backend chosen for this shape. The first call at a
+    new shape probes (eagerly, outside torch.compile); while compiling an unseen shape uses PyTorch's default."""
+
+    def __init__(self, cache_path: Path | str | None = None, backends: Mapping[str, AttentionBackend] | None = None):
+        self.cache_path = cache_path
+        self.backends = BACKENDS if backends is None else backends
+        self.choice: dict[tuple, str] = {}
+
+    @staticmethod
+    def key(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple:
+        return (tuple(q.shape), k.shape[2], q.dtype, q.device, mask is not None)
+
+    def prepare(self, shape: Sequence[int], dtype: torch.dtype, device, with_mask: bool) -> str:
+        dev = as_device_info(device).torch_device
+        results = probe_attention(shape, dtype, dev, with_mask, backends=self.backends, cache_path=self.cache_path)
+        name = chosen(results) or "sdpa"
+        rejected = "; ".join(f"{r.name}: {r.error}" for r in results if not r.ok)
+        log.info("attention %s %s mask=%s: %s (rejected: %s)", tuple(shape), dtype, with_mask, name, rejected or "-")
+        self.choice[(tuple(shape), shape[2], dtype, dev, with_mask)] = name
+        return name
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        name = self.choice.get(self.key(q, k, mask))
+        if name is None:
+            if torch.compiler.is_compiling() or q.shape[2] != k.shape[2]:
+                name = "sdpa"
+            else:
+                name = self.prepare(tuple(q.shape), q.dtype, q.device, mask is not None)
+        return self.backends[name].run(q, k, v, mask)

@@ -1,0 +1,239 @@
+"""The fast ops: Triton kernels behind `torch.autograd.Function`s, same signatures as `reference`.
+
+Each public function takes the Triton path when it can run here (CUDA with triton installed, or CPU under
+TRITON_INTERPRET=1) and the inputs have a shape it handles, and otherwise calls the reference (logged once per
+reason). `fallback=False` raises `Unsupported` instead: probes and tests use it, so a probe can never pass by
+silently comparing the reference with itself.
+
+The kernel launches are registered as `torch.library.custom_op`s (first use, not import): `torch.compile` then
+treats them as opaque ops with known output shapes instead of tracing into Triton's launcher, so the fused
+kernels and `compile_blocks` can be switched on together without graph breaks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from flux_kernels import reference
+from flux_kernels.device import triton_runs_on
+
+log = logging.getLogger(__name__)
+
+EPS = reference.EPS
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HIDDEN = 16384  # one row of the hidden dim is one tile
+_ops = None
+_logged: set[str] = set()
+
+
+class Unsupported(RuntimeError):
+    """The fast path cannot take these inputs on this device (the reason is the message)."""
+
+
+def _fallback(op: str, reason: str, fallback: bool) -> None:
+    if not fallback:
+        raise Unsupported(f"{op}: {reason}")
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("flux_kernels %s: reference path (%s)", op, reason)
+
+
+def _ops_lib():
+    """Define the custom ops on first use (imports triton; not at import time of flux_kernels)."""
+    global _ops
+    if _ops is None:
+        from flux_kernels import _launch
+
+        _ops = _launch.define_ops()
+    return _ops
+
+
+def _common_problem(tensors: Sequence[Tensor]) -> str | None:
+    dev = tensors[0].device
+    if any(t.device != dev for t in tensors):
+        return "inputs on different devices"
+    if not triton_runs_on(dev):
+        return f"no Triton on {dev.type} (CUDA with triton, or TRITON_INTERPRET=1 on CPU)"
+    if any(t.dtype not in DTYPES for t in tensors):
+        return f"dtype {sorted({str(t.dtype) for t in tensors})} not in {[str(d) for d in DTYPES]}"
+    return None
+
+
+def _bc(t: Tensor, x: Tensor) -> Tensor | None:
+    """A per-batch vector [B or 1, 1, C] (Modulation's chunks) as a [B, 1, C] view with unit stride on C."""
+    B, _, C = x.shape
+    if t.dim() != 3 or t.shape[1] != 1 or t.shape[2] != C or t.shape[0] not in (1, B):
+        return None
+    t = t.expand(B, 1, C)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _sum_to(grad: Tensor | None, like: Tensor) -> Tensor | None:
+    return None if grad is None else grad.sum_to_size(like.shape).to(like.dtype)
+
+
+# ---- QK-RMSNorm + RoPE --------------------------------------------------------------------------------------
+
+
+class _QKNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pe: Tensor, eps: float, *flat: Tensor):
+        qs, ks, qws, kws = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
+        q_out, k_out = _ops_lib().qk_norm_rope_fwd(list(qs), list(ks), list(qws), list(kws), pe, eps)
+        ctx.save_for_backward(pe, *flat)
+        ctx.eps = eps
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, dq_out: Tensor | None, dk_out: Tensor | None):
+        pe, *flat = ctx.saved_tensors
+        qs, ks, qws, kws = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
+        n = len(qs)
+        ref = qs[0].new_empty(qs[0].shape[0], qs[0].shape[1], sum(q.shape[2] for q in qs), qs[0].shape[3])
+        dq_out = torch.zeros_like(ref) if dq_out is None else dq_out
+        dk_out = torch.zeros_like(ref) if dk_out is None else dk_out
+        need = ctx.needs_input_grad[2:]
+        need_dw = any(need[4 * i + j] for i in range(n) for j in (2, 3))
+        out = _ops_lib().qk_norm_rope_bwd(
+            _unit_stride(dq_out), _unit_stride(dk_out), list(qs), list(ks), list(qws), list(kws), pe, ctx.eps, need_dw
+        )
+        grads: list[Tensor | None] = []
+        for i in range(n):
+            dq, dk = out[2 * i], out[2 * i + 1]
+            dqw = out[2 * n + 2 * i].to(qws[i].dtype) if need[4 * i + 2] else None
+            dkw = out[2 * n + 2 * i + 1].to(kws[i].dtype) if need[4 * i + 3] else None
+            grads += [dq if need[4 * i] else None, dk if need[4 * i + 1] else None, dqw, dkw]
+        return None, None, *grads
+
+
+def _unit_stride(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _qk_problem(segments, pe: Tensor) -> str | None:
+    q0 = segments[0][0]
+    if q0.dim() != 4:
+        return f"q must be [B, H, L, D], got {tuple(q0.shape)}"
+    B, H, _, D = q0.shape
+    if D % 2 or D > 256:
+        return f"head_dim {D} (must be even and at most 256)"
+    for q, k, qw, kw in segments:
+        if q.shape[:2] != (B, H) or q.shape[3] != D or k.shape != q.shape or {q.dtype, k.dtype} != {q0.dtype}:
+            return "q/k segments differ in batch, heads, head_dim or dtype"
+        if qw.shape != (D,) or kw.shape != (D,):
+            return f"norm scales must be [{D}]"
+    L = sum(s[0].shape[2] for s in segments)
+    if pe.requires_grad:
+        return "pe requires grad (the kernel treats RoPE as a constant)"
+    if pe.dim() != 6 or pe.shape[1:] != (1, L, D // 2, 2, 2) or pe.shape[0] not in (1, B):
+        return f"pe shape {tuple(pe.shape)} is not [B|1, 1, {L}, {D // 2}, 2, 2]"
+    return _common_problem([t for s in segments for t in s] + [pe])
+
+
+def qk_norm_rope_cat(
+    segments: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], pe: Tensor, eps: float = EPS, *, fallback: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Fused `reference.qk_norm_rope_cat`: per stream (q, k, q_scale, k_scale) RMSNorm, streams concatenated
+    along L, RoPE, in one kernel launch per stream that writes straight into the concatenated [B, H, L, D]
+    outputs (so the double block's torch.cat of q and k disappears too)."""
+    problem = _qk_problem(segments, pe)
+    if problem:
+        _fallback("qk_norm_rope", problem, fallback)
+        return reference.qk_norm_rope_cat(segments, pe, eps)
+    flat = []
+    for q, k, qw, kw in segments:
+        flat += [_unit_stride(q), _unit_stride(k), qw, kw]
+    pe = pe if pe.dtype == torch.float32 and pe.is_contiguous() else pe.float().contiguous()
+    return _QKNormRope.apply(pe, eps, *flat)
+
+
+def qk_norm_rope(
+    q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, eps: float = EPS, *, fallback: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Fused `reference.qk_norm_rope` (one stream, as in the single-stream block)."""
+    return qk_norm_rope_cat([(q, k, q_scale, k_scale)], pe, eps, fallback=fallback)
+
+
+# ---- LayerNorm + modulation -----------------------------------------------------------------------------------
+
+
+class _Modulate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, shift: Tensor, scale: Tensor, eps: float):
+        sh, sc = _bc(shift, x), _bc(scale, x)
+        out, mean, rstd = _ops_lib().modulate_fwd(x, sh, sc, eps)
+        ctx.save_for_backward(x, shift, scale, mean, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        x, shift, scale, mean, rstd = ctx.saved_tensors
+        need_dss = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        dx, dshift, dscale = _ops_lib().modulate_bwd(_unit_stride(dout), x, _bc(scale, x), mean, rstd, need_dss)
+        return (
+            dx if ctx.needs_input_grad[0] else None,
+            _sum_to(dshift, shift) if ctx.needs_input_grad[1] else None,
+            _sum_to(dscale, scale) if ctx.needs_input_grad[2] else None,
+            None,
+        )
+
+
+def _rows_problem(x: Tensor, vecs: Sequence[Tensor]) -> str | None:
+    if x.dim() != 3:
+        return f"x must be [B, L, C], got {tuple(x.shape)}"
+    if x.shape[-1] > MAX_HIDDEN:
+        return f"hidden size {x.shape[-1]} > {MAX_HIDDEN}"
+    if any(_bc(v, x) is None for v in vecs):
+        return f"modulation vectors {[tuple(v.shape) for v in vecs]} are not [B|1, 1, {x.shape[-1]}]"
+    return _common_problem([x, *vecs])
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float = EPS, *, fallback: bool = True) -> Tensor:
+    """Fused `reference.modulate`: LayerNorm without affine and `(1 + scale) * x + shift` in one pass, fp32
+    inside, one rounding (the reference rounds after each of its four ops, so the two agree to ~1 ulp)."""
+    problem = _rows_problem(x, (shift, scale))
+    if problem:
+        _fallback("modulate", problem, fallback)
+        return reference.modulate(x, shift, scale, eps)
+    return _Modulate.apply(_unit_stride(x), shift, scale, eps)
+
+
+# ---- gated residual -------------------------------------------------------------------------------------------
+
+
+class _Gated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, gate: Tensor, y: Tensor):
+        out = _ops_lib().gated_fwd(x, _bc(gate, x), y)
+        ctx.save_for_backward(gate, y)
+        ctx.x_dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        gate, y = ctx.saved_tensors
+        dout = _unit_stride(dout)
+        dy, dgate = _ops_lib().gated_bwd(dout, _bc(gate, y), y, ctx.needs_input_grad[1])
+        return (
+            dout.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None,
+            _sum_to(dgate, gate) if ctx.needs_input_grad[1] else None,
+            dy if ctx.needs_input_grad[2] else None,
+        )
+
+
+def gated_residual(x: Tensor, gate: Tensor, y: Tensor, *, fallback: bool = True) -> Tensor:
+    """Fused `reference.gated_residual` `x + gate * y`: one read of x and y, one write (the reference writes
+    `gate * y` out and reads it back); backward computes dy and the gate's sum over L in one pass."""
+    problem = _rows_problem(x, (gate,))
+    if not problem and y.shape != x.shape:
+        problem = f"y shape {tuple(y.shape)} != x shape {tuple(x.shape)}"
+    if not problem:
+        problem = _common_problem([x, gate, y])
+    if problem:
+        _fallback("gated_residual", problem, fallback)
+        return reference.gated_residual(x, gate, y)
+    return _Gated.apply(_unit_stride(x), gate, _unit_stride(y))

@@ -1,0 +1,316 @@
+"""The kernel registry: one frozen record per kernel (where it applies, how to install it, the reference and the
+fast op), a probe that runs both on tiny random inputs on this device, and `select` that turns the user's
+`kernels=` setting into what gets installed.
+
+    auto      every kernel marked `in_auto` that applies here and passes its probe; the others are skipped
+              with one log line each (and the reason kept in `Selection.skipped`)
+    off       nothing
+    [names]   exactly these; one that does not apply or fails its probe is an error naming why
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from flux_kernels import fast, patch, reference
+from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
+from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
+
+log = logging.getLogger(__name__)
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}  # max |fast - ref| / max |ref|
+
+
+class KernelError(RuntimeError):
+    """A kernel the user asked for by name cannot run here (the message says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    description: str
+    applies: Callable[[Any], tuple[bool, str]]  # DeviceInfo | torch.device | dict -> (ok, reason)
+    install: Callable[..., str]  # (model, **opts) -> one line saying what was patched
+    reference: Callable | None = None
+    fast: Callable | None = None
+    example: Callable[[torch.device, torch.dtype], tuple] | None = None  # tiny random args for reference/fast
+    check: Callable[[DeviceInfo], tuple[bool, str]] | None = None  # a probe of its own (attention, compile)
+    in_auto: bool = True
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    reason: str
+    max_err: float | None = None
+
+
+@dataclass(frozen=True)
+class Selection:
+    installed: tuple[str, ...]
+    skipped: Mapping[str, str] = field(default_factory=dict)  # name -> why not
+    device: DeviceInfo | None = None
+    specs: tuple[KernelSpec, ...] = ()
+
+    def summary(self) -> str:
+        skipped = "; ".join(f"{k} ({v})" for k, v in self.skipped.items())
+        return f"kernels: {', '.join(self.installed) or 'none'}" + (f"; skipped: {skipped}" if skipped else "")
+
+
+# ---- applies ----------------------------------------------------------------------------------------------------
+
+
+def triton_applies(device) -> tuple[bool, str]:
+    info = as_device_info(device)
+    if not triton_available():
+        return False, "triton is not installed (pip install triton)"
+    if info.type == "cpu":
+        if triton_interpreting():
+            return True, "CPU through Triton's interpreter (TRITON_INTERPRET=1): for tests, slow"
+        return False, "needs a CUDA GPU (device is cpu)"
+    if info.type != "cuda":
+        return False, f"needs a CUDA GPU (device is {info.type})"
+    if info.capability is None or info.capability < (8, 0):
+        return False, f"needs sm_80 or newer for bf16 (found {info.name}, capability {info.capability})"
+    return True, f"{info.name} ({info.family})"
+
+
+def cuda_applies(device) -> tuple[bool, str]:
+    info = as_device_info(device)
+    if info.type != "cuda":
+        return False, f"only meaningful on a CUDA GPU (device is {info.type})"
+    return True, f"{info.name} ({info.family})"
+
+
+def compile_applies(device) -> tuple[bool, str]:
+    ok, why = cuda_applies(device)
+    if not ok:
+        return ok, why
+    if not hasattr(torch.nn.Module, "compile"):
+        return False, f"torch {torch.__version__} has no nn.Module.compile (needs 2.2+)"
+    if not triton_available():
+        return False, "torch.compile's GPU backend needs triton (pip install triton)"
+    return True, why
+
+
+# ---- probe ------------------------------------------------------------------------------------------------------
+
+
+def _outputs(result) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(result)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _run(fn: Callable, args: tuple, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs, and gradients of every input that requires grad for a fixed random upstream gradient."""
+    with torch.enable_grad():
+        outs = _outputs(fn(*args))
+        wrt = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        grads_out = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
+        grads = torch.autograd.grad(outs, wrt, grads_out, allow_unused=True) if wrt else ()
+    return [o.detach() for o in outs], [g for g in grads if g is not None]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def probe(spec: KernelSpec, device=None) -> ProbeResult:
+    """Run the fast op against the reference on tiny random inputs (never zero), forward and backward, in each of
+    the spec's dtypes the device supports; the verdict names the worst error. Kernels without a reference/fast
+    pair (attention choice, torch.compile) run their own `check`."""
+    info = as_device_info(device)
+    try:
+        if spec.check is not None:
+            ok, why = spec.check(info)
+            return ProbeResult(ok, why)
+        worst = 0.0
+        for dtype in spec.dtypes:
+            if dtype == torch.bfloat16 and not info.bf16:
+                continue
+            args = spec.example(info.torch_device, dtype)
+            (want, dwant), (got, dgot) = _run(spec.reference, args, seed=1), _run(spec.fast, args, seed=1)
+            if (len(want), len(dwant)) != (len(got), len(dgot)):
+                return ProbeResult(False, f"{dtype}: fast gives {len(got)}+{len(dgot)} tensors, reference "
+                                   f"{len(want)}+{len(dwant)} (outputs+gradients)")  # fmt: skip
+            pairs = [("output", i, g, w) for i, (g, w) in enumerate(zip(got, want))]
+            pairs += [("gradient", i, g, w) for i, (g, w) in enumerate(zip(dgot, dwant))]
+            for what, i, g, w in pairs:
+                err = _rel_err(g, w)
+                worst = max(worst, err) if err == err else float("nan")
+                if not err <= TOLERANCE[dtype]:
+                    msg = f"{str(dtype).removeprefix('torch.')} {what} {i}: max rel. error {err:.2e}"
+                    return ProbeResult(False, f"probe failed vs reference ({msg} > {TOLERANCE[dtype]:.0e})", err)
+        return ProbeResult(True, "matches the reference (fwd+bwd)", worst)
+    except Exception as e:  # noqa: BLE001 - a kernel that crashes in its probe is as unusable as a wrong one
+        return ProbeResult(False, f"probe crashed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+
+
+# ---- examples: tiny, odd, FLUX-like (head_dim 128), nothing zero --------------------------------------------------
+
+
+def _rand(*shape, device, dtype, gen, scale=1.0, offset=0.0, grad=True) -> torch.Tensor:
+    t = (torch.randn(*shape, generator=gen) * scale + offset).to(device, dtype)
+    return t.requires_grad_(grad)
+
+
+def qk_example(device, dtype, B=2, H=3, D=128, lt=3, li=5):
+    """Two streams as in the double block, q/k as strided views of a qkv projection output."""
+    gen = torch.Generator().manual_seed(0)
+    segs = []
+    for L in (lt, li):
+        qkv = _rand(B, L, 3 * H * D, device=device, dtype=dtype, gen=gen)
+        q, k, _ = qkv.unflatten(-1, (3, H, D)).permute(2, 0, 3, 1, 4)
+        ws = [_rand(D, device=device, dtype=dtype, gen=gen, scale=0.2, offset=1.0) for _ in range(2)]
+        segs.append((q, k, *ws))
+    return segs, reference.make_pe(1, lt + li, D, device=device, generator=gen)
+
+
+def modulate_example(device, dtype, B=2, L=7, C=96):
+    gen = torch.Generator().manual_seed(0)
+    x = _rand(B, L, C, device=device, dtype=dtype, gen=gen, scale=2.0, offset=0.5)
+    mod = _rand(B, 1, 3 * C, device=device, dtype=dtype, gen=gen, scale=0.5)
+    shift, scale, _ = mod.chunk(3, dim=-1)  # strided views, as Modulation returns them
+    return x, shift, scale
+
+
+def gated_example(device, dtype, B=2, L=7, C=96):
+    gen = torch.Generator().manual_seed(0)
+    x = _rand(B, L, C, device=device, dtype=dtype, gen=gen)
+    gate = _rand(B, 1, 2 * C, device=device, dtype=dtype, gen=gen).chunk(2, dim=-1)[1]
+    return x, gate, _rand(B, L, C, device=device, dtype=dtype, gen=gen)
+
+
+# ---- checks for the kernels without a reference/fast pair ------------------------------------------------------
+
+
+def attention_check(info: DeviceInfo) -> tuple[bool, str]:
+    dtype = torch.bfloat16 if info.bf16 else torch.float16
+    results = probe_attention((1, 2, 67, 128), dtype, info, False, use_cache=False, warmup=1, reps=2)
+    name = chosen(results)
+    if name is None:
+        return False, "no attention backend passed: " + "; ".join(f"{r.name}: {r.error}" for r in results)
+    return True, f"backends work here (at 67 tokens: {name}); chosen per shape at first use"
+
+
+def compile_check(info: DeviceInfo) -> tuple[bool, str]:
+    dev = info.torch_device
+
+    def f(x, w):
+        return torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, (x.shape[-1],)) * w, approximate="tanh")
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 64, generator=gen) + 0.5).to(dev).requires_grad_()
+    w = (torch.randn(64, generator=gen) + 1.0).to(dev)
+    compiled = torch.compile(f)
+    (want, dwant), (got, dgot) = _run(f, (x, w), seed=1), _run(compiled, (x, w), seed=1)
+    err = max(_rel_err(g, w_) for g, w_ in zip(got + dgot, want + dwant))
+    if not err <= 1e-4:
+        return False, f"torch.compile result differs from eager (max rel. error {err:.2e})"
+    return True, "torch.compile (inductor) works here"
+
+
+# ---- the registry -----------------------------------------------------------------------------------------------
+
+REGISTRY: dict[str, KernelSpec] = {
+    s.name: s
+    for s in (
+        KernelSpec(
+            "attention",
+            "choose the attention backend per shape by measurement (SDPA cuDNN / flash / efficient / math, "
+            f"xformers, flash-attn when importable); {SAGE_REASON}",
+            cuda_applies,
+            functools.partial(patch.install_block_op, op="attention"),
+            check=attention_check,
+        ),
+        KernelSpec(
+            "qk_norm_rope",
+            "QKNorm (RMSNorm of q and k, fp32) + RoPE in one Triton pass, written straight into the concatenated "
+            "txt+img q/k",
+            triton_applies,
+            functools.partial(patch.install_block_op, op="qk_norm_rope"),
+            reference=reference.qk_norm_rope_cat,
+            fast=functools.partial(fast.qk_norm_rope_cat, fallback=False),
+            example=qk_example,
+        ),
+        KernelSpec(
+            "modulate",
+            "LayerNorm (no affine) + (1 + scale) * x + shift in one Triton pass",
+            triton_applies,
+            functools.partial(patch.install_block_op, op="modulate"),
+            reference=reference.modulate,
+            fast=functools.partial(fast.modulate, fallback=False),
+            example=modulate_example,
+        ),
+        KernelSpec(
+            "gated_residual",
+            "x + gate * y in one Triton pass (gate gradient reduced over L in the same pass)",
+            triton_applies,
+            functools.partial(patch.install_block_op, op="gated_residual"),
+            reference=reference.gated_residual,
+            fast=functools.partial(fast.gated_residual, fallback=False),
+            example=gated_example,
+        ),
+        KernelSpec(
+            "compile_blocks",
+            "regional torch.compile: block.compile() on every double/single block (first step compiles)",
+            compile_applies,
+            patch.install_compile,
+            check=compile_check,
+        ),
+    )
+}
+
+
+def _requested_names(requested: str | Iterable[str] | None, registry: Mapping[str, KernelSpec]) -> list[str] | None:
+    """None for auto; a list of names otherwise ("off" and "" give [])."""
+    if requested is None or requested == "auto":
+        return None
+    if isinstance(requested, str):
+        if requested.strip().lower() in ("off", "none", ""):
+            return []
+        requested = [n for n in requested.replace(" ", "").split(",") if n]
+    names = list(dict.fromkeys(requested))
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        raise KernelError(
+            f"unknown kernel {', '.join(map(repr, unknown))}; choose from {', '.join(registry)}, or auto / off"
+        )
+    return names
+
+
+def select(
+    requested: str | Iterable[str] | None = "auto",
+    device=None,
+    registry: Mapping[str, KernelSpec] | None = None,
+) -> Selection:
+    """Decide what to install on `device` (default: the current CUDA device, else CPU)."""
+    registry = REGISTRY if registry is None else registry
+    info = as_device_info(device)
+    names = _requested_names(requested, registry)
+    explicit = names is not None
+    candidates = names if explicit else [n for n, s in registry.items() if s.in_auto]
+    installed, skipped = [], {}
+    for name in candidates:
+        spec = registry[name]
+        ok, why = spec.applies(info)
+        if ok:
+            result = probe(spec, info)
+            ok, why = result.ok, result.reason
+        if ok:
+            installed.append(name)
+        elif explicit:
+            raise KernelError(f"kernel {name!r} cannot run on {info.name}: {why}; remove it from kernels= or use auto")
+        else:
+            skipped[name] = why
+            log.info("kernel %s skipped: %s", name, why)
+    return Selection(tuple(installed), skipped, info, tuple(registry[n] for n in installed))
