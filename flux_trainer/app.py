@@ -59,10 +59,14 @@ def resolve_memory(cfg: DictConfig, info) -> None:
 
 
 def tokenizer_dir(cfg: DictConfig) -> Path:
+    """sd-scripts' tokenizer_cache_dir: the config key, $FLUX_TRAIN_TOKENIZER_DIR, the packaged stand-ins for
+    random presets (no download), else <cache>/tokenizers (sd-scripts fetches the real ones there once)."""
     if cfg.tokenizer_dir:
-        return Path(cfg.tokenizer_dir).expanduser()
+        return Path(cfg.tokenizer_dir).expanduser().absolute()
     if os.environ.get(TOKENIZER_ENV):
-        return Path(os.environ[TOKENIZER_ENV]).expanduser()
+        return Path(os.environ[TOKENIZER_ENV]).expanduser().absolute()
+    if cfg.model.get("random_preset"):
+        return Path(__file__).parent / "standin_tokenizers"
     return cache_root() / "tokenizers"
 
 

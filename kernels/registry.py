@@ -288,6 +288,14 @@ def _requested_names(requested: str | Iterable[str] | None, registry: Mapping[st
     return names
 
 
+def unchecked(names: Iterable[str], registry: Mapping[str, KernelSpec] | None = None) -> Selection:
+    """A Selection of exactly `names` with no applies/probe step: for benchmarks and tests that compare
+    configurations on purpose. Training goes through `select`."""
+    registry = REGISTRY if registry is None else registry
+    names = tuple(_requested_names(list(names), registry) or ())
+    return Selection(names, {}, None, tuple(registry[n] for n in names))
+
+
 def select(
     requested: str | Iterable[str] | None = "auto",
     device=None,

@@ -26,7 +26,7 @@ import torch
 from flux_kernels import fast, patch, reference
 from flux_kernels.attention import library_versions, probe_attention
 from flux_kernels.device import device_info
-from flux_kernels.registry import REGISTRY, Selection, TOLERANCE, gated_example, modulate_example, qk_example
+from flux_kernels.registry import REGISTRY, TOLERANCE, gated_example, modulate_example, qk_example, unchecked
 
 OPS = ("qk_norm_rope", "modulate", "gated_residual")
 
@@ -130,8 +130,7 @@ def bench_blocks(dev, dtype, s, warmup, reps) -> list[dict]:
         "double": (rnd(B, li, C), rnd(B, lt, C), rnd(B, C), pe),
         "single": (rnd(B, lt + li, C), rnd(B, C), pe),
     }
-    ops = ("attention", "qk_norm_rope", "modulate", "gated_residual")
-    specs = tuple(REGISTRY[n] for n in ops)
+    kernels = unchecked(["attention", "qk_norm_rope", "modulate", "gated_residual"])
     rows = []
     for kind, block in blocks.items():
         block.to(dev, dtype).requires_grad_(False)
@@ -140,7 +139,7 @@ def bench_blocks(dev, dtype, s, warmup, reps) -> list[dict]:
             patch.remove_kernels(block)
             torch._dynamo.reset()
             if "kernels" in label:
-                patch.apply_kernels(block, Selection(ops, {}, None, specs), verify=False)
+                patch.apply_kernels(block, kernels, verify=False)
             if label.startswith("compiled"):
                 block.compile()
             try:

@@ -1,0 +1,111 @@
+"""flux_kernels.reference equals sd-scripts' own math, and a patched block with every switch off is sd-scripts'
+block bit for bit (CPU, no Triton needed). Skips with the reason when no sd-scripts checkout is found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux_kernels import patch, reference
+
+HIDDEN, HEADS = 256, 2  # head_dim 128, as FLUX
+
+
+@pytest.fixture(scope="module")
+def fm():
+    from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
+
+    try:
+        return import_sd_scripts(locate().path).flux_models
+    except Exception as e:  # noqa: BLE001 - no checkout / not importable here: say which
+        pytest.skip(f"sd-scripts not importable: {e}")
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) + 0.25).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_qknorm_match(fm, dtype):
+    q, k, v = (_rand(2, 3, 7, 128, dtype=dtype, seed=s) for s in range(3))
+    norm = fm.QKNorm(128)
+    with torch.no_grad():
+        norm.query_norm.scale.copy_(_rand(128, seed=4))
+        norm.key_norm.scale.copy_(_rand(128, seed=5))
+    assert torch.equal(reference.rms_norm(q, norm.query_norm.scale), norm.query_norm(q))
+    pe = reference.make_pe(2, 7, 128)
+    want = fm.apply_rope(*norm(q, k, v), pe)
+    got = reference.qk_norm_rope(q, k, norm.query_norm.scale, norm.key_norm.scale, pe)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_rope_apply_rope_attention_match(fm):
+    pos = torch.rand(2, 9) * 50
+    assert torch.equal(reference.rope(pos, 128, 10_000), fm.rope(pos, 128, 10_000))
+    q, k, v = (_rand(2, 3, 9, 128, dtype=torch.bfloat16, seed=s) for s in range(3))
+    pe = reference.make_pe(2, 9, 128)
+    assert all(torch.equal(g, w) for g, w in zip(reference.apply_rope(q, k, pe), fm.apply_rope(q, k, pe)))
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.bool)[:, None, None, :].expand(2, 3, 9, 9)
+    assert torch.equal(reference.attention(q, k, v, pe, mask), fm.attention(q, k, v, pe, mask))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_modulate_and_gated_residual_match_block_expressions(dtype):
+    x, y = _rand(2, 7, 96, dtype=dtype, seed=0), _rand(2, 7, 96, dtype=dtype, seed=1)
+    shift, scale, gate = _rand(2, 1, 288, dtype=dtype, seed=2).chunk(3, dim=-1)
+    ln = torch.nn.LayerNorm(96, elementwise_affine=False, eps=1e-6)
+    assert torch.equal(reference.modulate(x, shift, scale), (1 + scale) * ln(x) + shift)
+    assert torch.equal(reference.gated_residual(x, gate, y), x + gate * y)
+
+
+def _blocks(fm, dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.double_blocks = torch.nn.ModuleList([fm.DoubleStreamBlock(HIDDEN, HEADS, 4.0, qkv_bias=True)])
+    model.single_blocks = torch.nn.ModuleList([fm.SingleStreamBlock(HIDDEN, HEADS, 4.0)])
+    for name, p in model.named_parameters():
+        p.data = (1 + 0.1 * torch.randn_like(p)) if name.endswith("scale") else 0.05 * torch.randn_like(p)
+    return model.to(dtype)
+
+
+def _run_blocks(model, dtype, with_mask):
+    outs = []
+    for kind, block in (("double", model.double_blocks[0]), ("single", model.single_blocks[0])):
+        args = patch._verify_inputs(block, kind, "cpu", dtype, with_mask)
+        wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        outs += patch._outs_and_grads(block.forward, None, args, wrt)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patched_blocks_with_switches_off_are_sd_scripts_bit_for_bit(fm, dtype):
+    model = _blocks(fm, dtype)
+    for with_mask in (False, True):
+        want = _run_blocks(model, dtype, with_mask)
+        ops = patch._ops_of(model)
+        assert not (ops.qk_norm_rope or ops.modulate or ops.gated_residual or ops.attention)
+        assert "_forward" in model.single_blocks[0].__dict__
+        got = _run_blocks(model, dtype, with_mask)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert patch.remove_kernels(model) == ["patch"]
+        assert "_forward" not in model.double_blocks[0].__dict__
+
+
+def test_blocks_found_by_attributes_and_gradient_checkpointing_still_wraps(fm, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU without the interpreter: the reference path
+    model = _blocks(fm, torch.float32)
+    double, single = patch.find_blocks(model)
+    assert (len(double), len(single)) == (1, 1)
+    assert patch.find_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4))) == ([], [])
+    with pytest.raises(ValueError, match="no FLUX double/single-stream blocks"):
+        patch.install_block_op(torch.nn.Linear(4, 4), op="modulate")
+    patch.install_block_op(model, op="modulate")
+    block = model.single_blocks[0]
+    block.train()
+    block.enable_gradient_checkpointing()
+    args = patch._verify_inputs(block, "single", "cpu", torch.float32, False)
+    out = block(*args)
+    assert out.grad_fn is not None
+    patch.remove_kernels(model)
+    block.disable_gradient_checkpointing()
+    assert torch.equal(out, block(*args))

@@ -1,0 +1,173 @@
+"""The Triton kernels against the references, forward and backward, on odd small shapes with FLUX's head_dim.
+
+On a CPU machine they run through Triton's interpreter (TRITON_INTERPRET=1, set only for this module), on a
+CUDA machine on the GPU. Skipped with the reason when triton is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from flux_kernels import fast, patch, reference
+from flux_kernels.registry import TOLERANCE, gated_example, modulate_example, qk_example, unchecked
+
+
+@pytest.fixture(scope="module")
+def dev():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install triton); the references stay in use")
+    if torch.cuda.is_available():
+        yield torch.device("cuda")
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield torch.device("cpu")
+
+
+def outs_and_grads(fn, args, wrt, seed=1):
+    outs = fn(*args)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    gen = torch.Generator().manual_seed(seed)
+    gouts = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
+    return [o.detach() for o in outs] + list(torch.autograd.grad(outs, wrt, gouts))
+
+
+def assert_close(got, want, dtype):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, i
+        err = ((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
+        assert err <= TOLERANCE[dtype], f"tensor {i}: max rel. error {err:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+def leaves(args):
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("streams", ["double", "single"])
+def test_qk_norm_rope_fwd_bwd(dev, dtype, streams):
+    if streams == "double":  # txt 3 + img 5 tokens, pe shared by the batch, q/k strided views of qkv
+        segs, pe = qk_example(dev, dtype)
+    else:  # one stream of 7 tokens, 5 heads, pe per batch element
+        segs, _ = qk_example(dev, dtype, B=2, H=5, lt=7, li=1)
+        segs, pe = segs[:1], reference.make_pe(2, 7, 128, device=dev)
+    args = (segs, pe)
+    want = outs_and_grads(reference.qk_norm_rope_cat, args, leaves(args))
+    got = outs_and_grads(lambda s, p: fast.qk_norm_rope_cat(s, p, fallback=False), args, leaves(args))
+    assert got[0].is_contiguous()
+    assert_close(got, want, dtype)
+    if dtype == torch.bfloat16:  # the kernel rounds where QKNorm rounds: the forward is bit-identical
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_qk_norm_rope_frozen_scales_and_one_output_used(dev):
+    """Frozen norm scales (no dw reduction) and k unused downstream (its incoming gradient is None)."""
+    (q, k, qw, kw), pe = qk_example(dev, torch.bfloat16, B=1, H=2, lt=5, li=1)[0][0], reference.make_pe(1, 5, 128)
+    qw, kw, pe = qw.detach(), kw.detach(), pe.to(dev)
+    go = torch.randn(1, 2, 5, 128).to(dev, torch.bfloat16)
+    (want_dq,) = torch.autograd.grad(reference.qk_norm_rope(q, k, qw, kw, pe)[0], [q], go)
+    dq, dk = torch.autograd.grad(fast.qk_norm_rope(q, k, qw, kw, pe, fallback=False)[0], [q, k], go)
+    assert_close([dq], [want_dq], torch.bfloat16)
+    assert dk.abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [96, 100])
+def test_modulate_fwd_bwd(dev, dtype, hidden):
+    args = modulate_example(dev, dtype, B=2, L=7, C=hidden)
+    want = outs_and_grads(reference.modulate, args, leaves(args))
+    got = outs_and_grads(lambda *a: fast.modulate(*a, fallback=False), args, leaves(args))
+    assert_close(got, want, dtype)
+
+
+def test_modulate_batch_broadcast_and_long_rows(dev):
+    x = (torch.randn(3, 37, 64) + 1).to(dev).requires_grad_()  # L=37 spreads over several programs per batch
+    shift, scale = ((torch.randn(1, 1, 64) * 0.3).to(dev).requires_grad_() for _ in range(2))
+    args = (x, shift, scale)
+    want = outs_and_grads(reference.modulate, args, leaves(args))
+    got = outs_and_grads(lambda *a: fast.modulate(*a, fallback=False), args, leaves(args))
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_residual_fwd_bwd(dev, dtype):
+    args = gated_example(dev, dtype, B=2, L=9, C=100)
+    want = outs_and_grads(reference.gated_residual, args, leaves(args))
+    got = outs_and_grads(lambda *a: fast.gated_residual(*a, fallback=False), args, leaves(args))
+    assert_close(got, want, dtype)
+
+
+def test_fused_bf16_is_at_least_as_accurate_as_the_reference(dev):
+    """One rounding instead of four: against a float64 truth the kernel is no worse than sd-scripts' math."""
+    x, shift, scale = (t.detach() for t in modulate_example(dev, torch.bfloat16, B=2, L=33, C=256))
+    truth = reference.modulate(x.double(), shift.double(), scale.double())
+    err_ref = (reference.modulate(x, shift, scale).double() - truth).abs().mean()
+    err_fast = (fast.modulate(x, shift, scale, fallback=False).double() - truth).abs().mean()
+    assert err_fast <= err_ref
+    x, gate, y = (t.detach() for t in gated_example(dev, torch.bfloat16, B=2, L=33, C=256))
+    truth = reference.gated_residual(x.double(), gate.double(), y.double())
+    err_ref = (reference.gated_residual(x, gate, y).double() - truth).abs().mean()
+    err_fast = (fast.gated_residual(x, gate, y, fallback=False).double() - truth).abs().mean()
+    assert err_fast <= err_ref
+
+
+def test_unsupported_inputs_fall_back_or_raise(dev):
+    x = torch.randn(7, 96, device=dev)  # 2-D: not [B, L, C]
+    shift = scale = torch.randn(96, device=dev)
+    with pytest.raises(fast.Unsupported, match="must be"):
+        fast.modulate(x, shift, scale, fallback=False)
+    assert torch.equal(fast.modulate(x, shift, scale), reference.modulate(x, shift, scale))
+    segs, pe = qk_example(dev, torch.float32)
+    with pytest.raises(fast.Unsupported, match="pe requires grad"):
+        fast.qk_norm_rope_cat(segs, pe.requires_grad_(), fallback=False)
+
+
+@pytest.fixture(scope="module")
+def fm():
+    from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
+
+    try:
+        return import_sd_scripts(locate().path).flux_models
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"sd-scripts not importable: {e}")
+
+
+def _model(fm, dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.double_blocks = torch.nn.ModuleList([fm.DoubleStreamBlock(256, 2, 4.0, qkv_bias=True)])
+    model.single_blocks = torch.nn.ModuleList([fm.SingleStreamBlock(256, 2, 4.0)])
+    for name, p in model.named_parameters():
+        p.data = (1 + 0.1 * torch.randn_like(p)) if name.endswith("scale") else 0.05 * torch.randn_like(p)
+    return model.to(dtype)
+
+
+def test_kernels_installed_into_sd_scripts_blocks_verify(dev, fm, monkeypatch):
+    model = _model(fm, torch.bfloat16).to(dev)
+    selection = unchecked(["qk_norm_rope", "modulate", "gated_residual"])
+    assert patch.apply_kernels(model, selection) == ["qk_norm_rope", "modulate", "gated_residual"]  # verified
+    patch.remove_kernels(model)
+    # a kernel that is slightly wrong inside the block is caught by verification, and nothing stays installed
+    monkeypatch.setattr(fast, "gated_residual", lambda x, gate, y: x + 1.2 * gate * y)
+    with pytest.raises(ValueError, match="differs from sd-scripts"):
+        patch.apply_kernels(model, selection)
+    assert "_forward" not in model.double_blocks[0].__dict__
+
+
+def test_patched_block_traces_without_graph_breaks(dev, fm):
+    """The kernels are custom ops: torch.compile (here its aot_eager backend) sees them as opaque calls."""
+    import torch._dynamo
+
+    model = _model(fm, torch.float32).to(dev)
+    patch.apply_kernels(model, unchecked(["qk_norm_rope", "modulate", "gated_residual"]), verify=False)
+    block = model.single_blocks[0].train()
+    block.enable_gradient_checkpointing()
+    args = patch._verify_inputs(block, "single", dev, torch.float32, True)
+    explained = torch._dynamo.explain(block.forward)(*args)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
