@@ -12,7 +12,6 @@ import logging
 import os
 import shlex
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,10 +187,14 @@ def _flops_options(cfg: DictConfig) -> dict:
     shape = PRESETS.get(cfg.model.get("random_preset") or "full", PRESETS["full"])["flux"]
     res = int(cfg.dataset.resolution)
     flops = flux_step_flops(
-        hidden=shape["hidden_size"], depth=shape["depth"], depth_single=shape["depth_single_blocks"],
-        mlp_ratio=shape["mlp_ratio"], img_tokens=img_tokens_for(res, res),
+        hidden=shape["hidden_size"],
+        depth=shape["depth"],
+        depth_single=shape["depth_single_blocks"],
+        mlp_ratio=shape["mlp_ratio"],
+        img_tokens=img_tokens_for(res, res),
         txt_tokens=int(cfg.model.t5xxl_max_token_length or (256 if cfg.model.name == "flux_schnell" else 512)),
-        batch=int(cfg.train.batch_size), lora_rank=int(cfg.network.rank),
+        batch=int(cfg.train.batch_size),
+        lora_rank=int(cfg.network.rank),
         gradient_checkpointing=bool(cfg.memory.gradient_checkpointing),
     )
     return {"flops_per_step": flops.total, "images_per_step": int(cfg.train.batch_size)}
@@ -213,16 +216,16 @@ def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = No
 
         device = "cuda" if (info or launch_device.detect_device()).family != "cpu" else "cpu"
         ensure_random_model(model_cache(cfg.model_cache), prepared.random_preset, device=device, log=say)
-    from flux_trainer.launch.supervise import explain_failure, run_supervised
+    from flux_trainer.launch.supervise import run_supervised
+    from flux_trainer.sdscripts.runner import child_exit_code
 
     say(f"TensorBoard: tensorboard --logdir {Path(cfg.logging.root).resolve()}")
     log_path = prepared.run_dir / "train.log"
-    code = run_supervised(prepared.command, prepared.env, log_path)
+    code = child_exit_code(
+        prepared.run_dir, run_supervised(prepared.command, prepared.env, log_path, memory_tier=cfg.memory.tier)
+    )
     if code == 0:
-        loras = sorted(prepared.run_dir.glob(f"{cfg.train.output_name}*.safetensors"))
-        say(f"done. LoRA: {loras[-1] if loras else '(none written)'}")
+        final = prepared.run_dir / f"{cfg.train.output_name}.safetensors"
+        say(f"done. LoRA: {final if final.is_file() else '(none written)'}")
         say(f"TensorBoard logs: {prepared.run_dir / 'tb'}  (tensorboard --logdir {Path(cfg.logging.root).resolve()})")
-    else:
-        tail = log_path.read_text(errors="replace").splitlines()[-40:] if log_path.exists() else []
-        print(explain_failure(tail, cfg.memory.tier), file=sys.stderr)
     return code

@@ -14,6 +14,7 @@ FLUX_TRAIN_VERBOSE=1, for one).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -63,18 +64,21 @@ def preflight(overrides: list[str], search_dirs: list[Path]) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from flux_trainer.cli_help import group_options
     from flux_trainer.config.compose import compose_run
-    from flux_trainer.config.validate import available_datasets, no_dataset_message
+    from flux_trainer.config.validate import no_dataset_message
 
     try:
         cfg = compose_run(overrides, search_dirs)
     except (HydraException, OmegaConfBaseException) as exc:
         text = str(exc).strip().splitlines()[0]
-        if "dataset/" in text or "'dataset'" in text:
-            found = available_datasets(search_dirs)
-            text += f" (datasets found: {', '.join(found) if found else 'none'}; " + (
-                "create one with `flux-train dataset init NAME --images DIR`)"
-            )
+        if m := re.search(r"Could not find '([\w-]+)/([^']+)'", text):
+            group, option = m.groups()
+            found = group_options(group, search_dirs)
+            text = f"{group}={option}: no such {group} config; choose one of: {', '.join(found) or 'none found'}"
+            if group == "dataset":
+                text += f" (in {', '.join(str(d / 'dataset') for d in search_dirs) or './configs/dataset'}); "
+                text += "create one with `flux-train dataset init NAME --images DIR`"
         raise ConfigError(text) from exc
     from omegaconf import OmegaConf
 

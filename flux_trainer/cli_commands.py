@@ -52,12 +52,20 @@ def dispatch(argv: list[str]) -> int:
 def dataset_init(ns: argparse.Namespace) -> int:
     from flux_trainer.datasets import describe_folder, write_dataset_config
 
-    config_dir = ns.config_dir or (Path(os.environ[CONFIG_DIR_ENV]) if os.environ.get(CONFIG_DIR_ENV) else Path("configs"))
+    config_dir = ns.config_dir or (
+        Path(os.environ[CONFIG_DIR_ENV]) if os.environ.get(CONFIG_DIR_ENV) else Path("configs")
+    )
     report = describe_folder(ns.images)
     print(report.text())
     path = write_dataset_config(
-        config_dir, ns.name, ns.images, trigger=ns.trigger, resolution=ns.resolution, repeats=ns.repeats,
-        force=ns.force, report=report,
+        config_dir,
+        ns.name,
+        ns.images,
+        trigger=ns.trigger,
+        resolution=ns.resolution,
+        repeats=ns.repeats,
+        force=ns.force,
+        report=report,
     )
     print(f"wrote {path}\nnext: flux-train +dataset={ns.name} dry_run=true")
     return 0
@@ -76,10 +84,24 @@ def demo_command(extra: list[str]) -> int:
 
     images = make_demo_dataset(demo_dir() / "images", n=8, size=128)
     configs = demo_dir() / "configs"
-    write_dataset_config(configs, "demo", images, trigger="demo", resolution=128, repeats=1, force=True,
-                         extra={"min_bucket_reso": 64, "max_bucket_reso": 256})
-    overrides = ["+dataset=demo", "model=random_tiny", "train.max_steps=4", "train.save_every_n_steps=2",
-                 "train.data_loader_workers=0", *extra]
+    write_dataset_config(
+        configs,
+        "demo",
+        images,
+        trigger="demo",
+        resolution=128,
+        repeats=1,
+        force=True,
+        extra={"min_bucket_reso": 64, "max_bucket_reso": 256},
+    )
+    overrides = [
+        "+dataset=demo",
+        "model=random_tiny",
+        "train.max_steps=4",
+        "train.save_every_n_steps=2",
+        "train.data_loader_workers=0",
+        *extra,
+    ]
     print("[flux-train] demo: RANDOM tiny FLUX on 8 generated images; it shows the pipeline, not a useful LoRA")
     return run_training(overrides, [*user_config_dirs(), configs])
 
@@ -102,8 +124,10 @@ def runs_command(root: Path) -> int:
         def fmt(v, spec):
             return format(v, spec) if v is not None else "-"
 
-        print(f"{name[-48:]:<48} {s.steps_done:>6} {fmt(s.last_loss, '.4f'):>10} {fmt(s.median_step_s, '.3f'):>8} "
-              f"{fmt(s.peak_vram_gib, '.1f'):>8} G")
+        print(
+            f"{name[-48:]:<48} {s.steps_done:>6} {fmt(s.last_loss, '.4f'):>10} {fmt(s.median_step_s, '.3f'):>8} "
+            f"{fmt(s.peak_vram_gib, '.1f'):>8} G"
+        )
     print(f"\ncompare: tensorboard --logdir {root}")
     return 0
 

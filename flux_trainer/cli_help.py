@@ -34,18 +34,23 @@ sd_scripts=PATH, tokenizer_dir=PATH, resume=auto|off|PATH, dry_run=true. -v show
 """
 
 
-def options(group: str) -> list[str]:
+def group_options(group: str, user_dirs: list[Path] | None = None) -> list[str]:
+    """Options of a config group: the shipped ones and the user's own (./configs, $FLUX_TRAIN_CONFIG_DIR)."""
     found = set()
-    for root in [shipped_config_dir(), *user_config_dirs()]:
+    for root in [shipped_config_dir(), *(user_config_dirs() if user_dirs is None else user_dirs)]:
         found.update(p.stem for p in (Path(root) / group).glob("*.yaml"))
     return sorted(found)
 
 
 def help_text() -> str:
-    lines = ["usage: flux-train [+dataset=NAME] [GROUP=OPTION ...] [KEY=VALUE ...]",
-             "       flux-train {dataset init,demo,setup,runs} ...", "", "config groups:"]
+    lines = [
+        "usage: flux-train [+dataset=NAME] [GROUP=OPTION ...] [KEY=VALUE ...]",
+        "       flux-train {dataset init,demo,setup,runs} ...",
+        "",
+        "config groups:",
+    ]
     for group, what in GROUPS.items():
-        opts = options(group)
+        opts = group_options(group)
         lines.append(f"  {group:<10} {what}")
         lines.append(f"  {'':<10} options: {', '.join(opts) if opts else '(none yet)'}")
     return "\n".join(lines) + "\n\n" + EXAMPLES

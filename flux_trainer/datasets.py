@@ -26,14 +26,18 @@ class FolderReport:
 
     def text(self) -> str:
         formats = ", ".join(f"{n} {ext[1:]}" for ext, n in sorted(self.by_format.items())) or "none"
-        lines = [f"{self.folder}: {self.total} images ({formats})",
-                 f"  captions: {self.captioned} found, {len(self.uncaptioned)} missing"]
+        lines = [
+            f"{self.folder}: {self.total} images ({formats})",
+            f"  captions: {self.captioned} found, {len(self.uncaptioned)} missing",
+        ]
         if self.sizes:
             smallest = min(self.sizes, key=lambda s: s[0] * s[1])
             largest = max(self.sizes, key=lambda s: s[0] * s[1])
             common = ", ".join(f"{w}x{h} ({n})" for (w, h), n in self.sizes.most_common(3))
-            lines.append(f"  sizes: smallest {smallest[0]}x{smallest[1]}, largest {largest[0]}x{largest[1]}; "
-                         f"most common {common}")
+            lines.append(
+                f"  sizes: smallest {smallest[0]}x{smallest[1]}, largest {largest[0]}x{largest[1]}; "
+                f"most common {common}"
+            )
         if self.unreadable:
             lines.append(f"  unreadable: {len(self.unreadable)} ({', '.join(self.unreadable[:5])})")
         return "\n".join(lines)
@@ -82,8 +86,10 @@ def write_dataset_config(
     if report.total == 0:
         problems.append(f"--images {report.folder}: no images ({' '.join(IMAGE_EXTENSIONS)})")
     if report.unreadable:
-        problems.append(f"--images {report.folder}: {len(report.unreadable)} files do not open as images "
-                        f"({', '.join(report.unreadable[:5])}); fix or remove them")
+        problems.append(
+            f"--images {report.folder}: {len(report.unreadable)} files do not open as images "
+            f"({', '.join(report.unreadable[:5])}); fix or remove them"
+        )
     if report.uncaptioned and not trigger:
         problems.append(f"{len(report.uncaptioned)} images have no .txt caption; add captions or pass --trigger WORD")
     if resolution % 16 or resolution < 64:

@@ -39,7 +39,9 @@ def setup_sd_scripts(dest: Path | None = None, configured: str | None = None) ->
             if configured or os.environ.get(ENV_VAR):
                 raise
         else:
-            state = "the pinned commit" if found.pinned else f"commit {found.commit or 'unknown'}, not {PINNED_COMMIT[:10]}"
+            state = (
+                "the pinned commit" if found.pinned else f"commit {found.commit or 'unknown'}, not {PINNED_COMMIT[:10]}"
+            )
             print(f"sd-scripts: using {found.path} ({state}, from {found.source})")
             return found.path
     dest = dest or default_location()

@@ -9,18 +9,17 @@ from types import SimpleNamespace
 
 import torch
 import triton
-from torch import Tensor
-
 from flux_kernels import tl_modulate as tm
 from flux_kernels import tl_qk_norm_rope as tq
 from flux_kernels.device import triton_interpreting
+from torch import Tensor
 
 NS = "flux_kernels"
 # The CPU interpreter truncates fp32 -> bf16; round to nearest-even by hand there so it matches GPUs.
 _RTNE = triton_interpreting()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -57,7 +56,7 @@ def define_ops() -> SimpleNamespace:
         k_out = qs[0].new_empty(B, H, total, D)
         spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
         l_off = 0
-        for q, k, qw, kw in zip(qs, ks, qws, kws):
+        for q, k, qw, kw in zip(qs, ks, qws, kws, strict=True):
             L = q.shape[2]
             if L:
                 tq.qk_norm_rope_fwd[(L, B)](
@@ -85,7 +84,7 @@ def define_ops() -> SimpleNamespace:
         spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
         grads, dws = [], []
         l_off = 0
-        for q, k, qw, kw in zip(qs, ks, qws, kws):
+        for q, k, qw, kw in zip(qs, ks, qws, kws, strict=True):
             L = q.shape[2]
             dq, dk = _empty_dq(q), _empty_dq(k)
             rows = B * L if need_dw else 1
@@ -109,7 +108,7 @@ def define_ops() -> SimpleNamespace:
     @qk_norm_rope_bwd.register_fake
     def _(dq_out, dk_out, qs, ks, qws, kws, pe, eps, need_dw):
         grads, dws = [], []
-        for q, k in zip(qs, ks):
+        for q, k in zip(qs, ks, strict=True):
             grads += [_empty_dq(q), _empty_dq(k)]
             n = q.shape[-1] if need_dw else 0
             dws += [q.new_empty(n, dtype=torch.float32), q.new_empty(n, dtype=torch.float32)]

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from flux_kernels.device import as_device_info
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +203,9 @@ def _fwd_bwd(run, q, k, v, go, mask):
 
 
 def _rel_err(got: Sequence[Tensor], want: Sequence[Tensor]) -> float:
-    errs = [((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() for g, w in zip(got, want)]
+    errs = [
+        ((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() for g, w in zip(got, want, strict=True)
+    ]
     return float("nan") if any(e != e for e in errs) else max(errs)
 
 

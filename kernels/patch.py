@@ -24,15 +24,15 @@ sd-scripts' blocks), and `verify_blocks` checks the installed result against the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MethodType
 
 import torch
-from torch import Tensor, nn
-
 from flux_kernels import fast, reference
+from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _is_plain_layernorm(m) -> bool:
 
 
 def block_kind(m: nn.Module) -> str | None:
-    """"double", "single" or None, by attributes (sd-scripts' classes are never imported)."""
+    """ "double", "single" or None, by attributes (sd-scripts' classes are never imported)."""
     if all(hasattr(m, a) for a in DOUBLE_ATTRS) and hasattr(m, "_forward"):
         norms = (m.img_norm1, m.txt_norm1, m.img_norm2, m.txt_norm2)
         return "double" if all(_is_plain_layernorm(n) for n in norms) else None
@@ -227,8 +227,9 @@ def _verify_inputs(block: nn.Module, kind: str, device, dtype, with_mask: bool):
 
 def verify_blocks(model: nn.Module, tolerance: Mapping[torch.dtype, float] | None = None) -> list[str]:
     """Run the first patched double and single block against its class's own `_forward` (sd-scripts' code) on
-    tiny random inputs, with and without a text mask, forward and input gradients. Raises ValueError on a
-    mismatch; returns notes for blocks it could not check (e.g. fp8 weights outside autocast)."""
+    tiny random inputs, with and without a text mask, forward and input gradients. Low-precision blocks run
+    under autocast, as sd-scripts trains them (LoRA weights may be fp32, fp8 base weights get upcast). Raises
+    ValueError on a mismatch; returns notes for blocks it could not check (sd-scripts' own forward failed)."""
     tolerance = tolerance or {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-4}
     notes = []
     double, single = find_blocks(model)
@@ -237,18 +238,19 @@ def verify_blocks(model: nn.Module, tolerance: Mapping[torch.dtype, float] | Non
         if block is None:
             continue
         p = next(block.parameters())
-        dtype = p.dtype if p.dtype in tolerance else torch.bfloat16
+        dtype = p.dtype if p.dtype in tolerance else torch.bfloat16  # fp8 weights: bf16 activations
+        amp = torch.autocast(p.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
         for with_mask in (False, True):
             args = _verify_inputs(block, kind, p.device, dtype, with_mask)
             wrt = [a for a in args if isinstance(a, Tensor) and a.requires_grad]
-            with torch.enable_grad():
+            with torch.enable_grad(), amp:
                 try:
                     want = _outs_and_grads(type(block)._forward, block, args, wrt)
                 except Exception as e:  # noqa: BLE001 - sd-scripts' own forward cannot run here; nothing to compare
                     notes.append(f"{kind} block not verified: its original forward failed here ({type(e).__name__})")
                     break
                 got = _outs_and_grads(block._forward, None, args, wrt)
-            for g, w in zip(got, want):
+            for g, w in zip(got, want, strict=True):
                 err = ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-12)).item()
                 if not err <= tolerance[dtype]:
                     raise ValueError(

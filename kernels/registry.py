@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
-
 from flux_kernels import fast, patch, reference
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
 from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
+from torch.utils._pytree import tree_flatten
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +141,8 @@ def probe(spec: KernelSpec, device=None) -> ProbeResult:
             if (len(want), len(dwant)) != (len(got), len(dgot)):
                 return ProbeResult(False, f"{dtype}: fast gives {len(got)}+{len(dgot)} tensors, reference "
                                    f"{len(want)}+{len(dwant)} (outputs+gradients)")  # fmt: skip
-            pairs = [("output", i, g, w) for i, (g, w) in enumerate(zip(got, want))]
-            pairs += [("gradient", i, g, w) for i, (g, w) in enumerate(zip(dgot, dwant))]
+            pairs = [("output", i, g, w) for i, (g, w) in enumerate(zip(got, want, strict=True))]
+            pairs += [("gradient", i, g, w) for i, (g, w) in enumerate(zip(dgot, dwant, strict=True))]
             for what, i, g, w in pairs:
                 err = _rel_err(g, w)
                 worst = max(worst, err) if err == err else float("nan")
@@ -152,7 +151,9 @@ def probe(spec: KernelSpec, device=None) -> ProbeResult:
                     return ProbeResult(False, f"probe failed vs reference ({msg} > {TOLERANCE[dtype]:.0e})", err)
         return ProbeResult(True, "matches the reference (fwd+bwd)", worst)
     except Exception as e:  # noqa: BLE001 - a kernel that crashes in its probe is as unusable as a wrong one
-        return ProbeResult(False, f"probe crashed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        return ProbeResult(
+            False, f"probe crashed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        )
 
 
 # ---- examples: tiny, odd, FLUX-like (head_dim 128), nothing zero --------------------------------------------------
@@ -213,7 +214,7 @@ def compile_check(info: DeviceInfo) -> tuple[bool, str]:
     w = (torch.randn(64, generator=gen) + 1.0).to(dev)
     compiled = torch.compile(f)
     (want, dwant), (got, dgot) = _run(f, (x, w), seed=1), _run(compiled, (x, w), seed=1)
-    err = max(_rel_err(g, w_) for g, w_ in zip(got + dgot, want + dwant))
+    err = max(_rel_err(g, w_) for g, w_ in zip(got + dgot, want + dwant, strict=True))
     if not err <= 1e-4:
         return False, f"torch.compile result differs from eager (max rel. error {err:.2e})"
     return True, "torch.compile (inductor) works here"

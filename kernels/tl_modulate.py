@@ -1,7 +1,7 @@
 """Triton kernels: LayerNorm (no affine) + `(1 + scale) * x + shift`, and the gated residual `x + gate * y`
 (imported only by `fast.py`, lazily).
 
-Forward: one program per row (b, l) over the whole hidden dim C (3072 -> a 4096-wide tile), statistics in fp32,
+Forward: one program per row (b, tok) over the whole hidden dim C (3072 -> a 4096-wide tile), statistics in fp32,
 one rounding at the end. The reference path writes the LayerNorm output, `1 + scale`, the product and the sum
 as four separate tensors. LayerNorm keeps mean and rstd per row (8 bytes) for its backward.
 
@@ -15,7 +15,6 @@ are summed by torch afterwards (Liger-Kernel's RMSNorm does the same for its wei
 
 import triton
 import triton.language as tl
-
 from flux_kernels.tl_common import cast
 
 
@@ -25,20 +24,20 @@ def modulate_fwd(
     L, C, sx_b, sx_l, ssh_b, ssc_b, so_b, so_l, eps,
     BLOCK_C: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
-    l = tl.program_id(0).to(tl.int64)
+    tok = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     m = offs < C
-    x = tl.load(x_ptr + b * sx_b + l * sx_l + offs, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b * sx_b + tok * sx_l + offs, mask=m, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=0) / C
     xc = tl.where(m, x - mean, 0.0)
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / C + eps)
     sh = tl.load(shift_ptr + b * ssh_b + offs, mask=m, other=0.0).to(tl.float32)
     sc = tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
     y = (1.0 + sc) * (xc * rstd) + sh
-    tl.store(out_ptr + b * so_b + l * so_l + offs, cast(y, out_ptr.dtype.element_ty, RTNE), mask=m)
-    tl.store(mean_ptr + b * L + l, mean)
-    tl.store(rstd_ptr + b * L + l, rstd)
+    tl.store(out_ptr + b * so_b + tok * so_l + offs, cast(y, out_ptr.dtype.element_ty, RTNE), mask=m)
+    tl.store(mean_ptr + b * L + tok, mean)
+    tl.store(rstd_ptr + b * L + tok, rstd)
 
 
 @triton.jit
@@ -55,19 +54,20 @@ def modulate_bwd(
     sc1 = 1.0 + tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
     acc_sc = tl.zeros([BLOCK_C], dtype=tl.float32)
     acc_sh = tl.zeros([BLOCK_C], dtype=tl.float32)
-    start = pid * rows_per_prog
-    end = tl.minimum(start + rows_per_prog, L)
-    for l in range(start, end):
-        x = tl.load(x_ptr + b * sx_b + l * sx_l + offs, mask=m, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + b * sdy_b + l * sdy_l + offs, mask=m, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + b * L + l)
-        rstd = tl.load(rstd_ptr + b * L + l)
-        xn = tl.where(m, (x - mean) * rstd, 0.0)
+    for i in range(0, rows_per_prog):  # rows past L are masked out (a fixed trip count, no data-dependent bounds)
+        tok = pid * rows_per_prog + i
+        valid = tok < L
+        mv = m & valid
+        x = tl.load(x_ptr + b * sx_b + tok * sx_l + offs, mask=mv, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + b * sdy_b + tok * sdy_l + offs, mask=mv, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + b * L + tok, mask=valid, other=0.0)
+        rstd = tl.load(rstd_ptr + b * L + tok, mask=valid, other=0.0)
+        xn = tl.where(mv, (x - mean) * rstd, 0.0)
         g = dy * sc1
         mg = tl.sum(g, axis=0) / C
         mgx = tl.sum(g * xn, axis=0) / C
         dx = rstd * (g - mg - xn * mgx)
-        tl.store(dx_ptr + b * sdx_b + l * sdx_l + offs, cast(dx, dx_ptr.dtype.element_ty, RTNE), mask=m)
+        tl.store(dx_ptr + b * sdx_b + tok * sdx_l + offs, cast(dx, dx_ptr.dtype.element_ty, RTNE), mask=mv)
         if COMPUTE_DSS:
             acc_sc += dy * xn
             acc_sh += dy
@@ -83,14 +83,14 @@ def gated_fwd(
     C, sx_b, sx_l, sg_b, sy_b, sy_l, so_b, so_l,
     BLOCK_C: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
-    l = tl.program_id(0).to(tl.int64)
+    tok = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     m = offs < C
-    x = tl.load(x_ptr + b * sx_b + l * sx_l + offs, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b * sx_b + tok * sx_l + offs, mask=m, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + b * sy_b + l * sy_l + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + b * so_b + l * so_l + offs, cast(x + g * y, out_ptr.dtype.element_ty, RTNE), mask=m)
+    y = tl.load(y_ptr + b * sy_b + tok * sy_l + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + b * so_b + tok * so_l + offs, cast(x + g * y, out_ptr.dtype.element_ty, RTNE), mask=m)
 
 
 @triton.jit
@@ -106,13 +106,13 @@ def gated_bwd(
     m = offs < C
     g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    start = pid * rows_per_prog
-    end = tl.minimum(start + rows_per_prog, L)
-    for l in range(start, end):
-        do = tl.load(do_ptr + b * sdo_b + l * sdo_l + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(dy_ptr + b * sdy_b + l * sdy_l + offs, cast(do * g, dy_ptr.dtype.element_ty, RTNE), mask=m)
+    for i in range(0, rows_per_prog):
+        tok = pid * rows_per_prog + i
+        mv = m & (tok < L)
+        do = tl.load(do_ptr + b * sdo_b + tok * sdo_l + offs, mask=mv, other=0.0).to(tl.float32)
+        tl.store(dy_ptr + b * sdy_b + tok * sdy_l + offs, cast(do * g, dy_ptr.dtype.element_ty, RTNE), mask=mv)
         if COMPUTE_DGATE:
-            y = tl.load(y_ptr + b * sy_b + l * sy_l + offs, mask=m, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + b * sy_b + tok * sy_l + offs, mask=mv, other=0.0).to(tl.float32)
             acc += do * y
     if COMPUTE_DGATE:
         tl.store(dg_part_ptr + (b * n_progs + pid) * C + offs, acc, mask=m)

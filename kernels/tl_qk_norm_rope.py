@@ -1,6 +1,6 @@
 """Triton kernels: QK-RMSNorm + RoPE in one pass over q and k (imported only by `fast.py`, lazily).
 
-One program per token (b, l): it loads the token's `pe` row once (D/2 2x2 matrices) and all H heads of q and k
+One program per token (b, tok): it loads the token's `pe` row once (D/2 2x2 matrices) and all H heads of q and k
 as [H, D/2] tiles of even and odd elements, so RoPE's pairs (x[2i], x[2i+1]) sit in the same lane. Per head:
 fp32 RMS, times the fp32 scale, rounded to the output dtype (QKNorm returns that dtype and apply_rope reads it
 back as fp32: rounding here keeps the forward bit-compatible), then rotated and stored once. The reference
@@ -13,7 +13,6 @@ The rounding between norm and rope is treated as identity, as autograd does for 
 
 import triton
 import triton.language as tl
-
 from flux_kernels.tl_common import cast
 
 
@@ -56,17 +55,17 @@ def qk_norm_rope_fwd(
     eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
-    l = tl.program_id(0).to(tl.int64)
+    tok = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_j = tl.arange(0, BLOCK_J)
     mask_j = offs_j < HALF
     mask = (offs_h[:, None] < H) & mask_j[None, :]
-    f00, f01, f10, f11 = _load_pe(pe_ptr + b * spe_b + (l_off + l) * spe_l, offs_j, mask_j)
-    o_off = b * so_b + (l_off + l) * so_l
-    _fwd_tile(q_ptr + b * sq_b + l * sq_l, sq_h, qw_ptr, qo_ptr + o_off, so_h,
+    f00, f01, f10, f11 = _load_pe(pe_ptr + b * spe_b + (l_off + tok) * spe_l, offs_j, mask_j)
+    o_off = b * so_b + (l_off + tok) * so_l
+    _fwd_tile(q_ptr + b * sq_b + tok * sq_l, sq_h, qw_ptr, qo_ptr + o_off, so_h,
               f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, RTNE)  # fmt: skip
-    _fwd_tile(k_ptr + b * sk_b + l * sk_l, sk_h, kw_ptr, ko_ptr + o_off, so_h,
+    _fwd_tile(k_ptr + b * sk_b + tok * sk_l, sk_h, kw_ptr, ko_ptr + o_off, so_h,
               f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, RTNE)  # fmt: skip
 
 
@@ -112,18 +111,18 @@ def qk_norm_rope_bwd(
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, COMPUTE_DW: tl.constexpr,
     RTNE: tl.constexpr,
 ):  # fmt: skip
-    l = tl.program_id(0).to(tl.int64)
+    tok = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_j = tl.arange(0, BLOCK_J)
     mask_j = offs_j < HALF
     mask = (offs_h[:, None] < H) & mask_j[None, :]
-    f00, f01, f10, f11 = _load_pe(pe_ptr + b * spe_b + (l_off + l) * spe_l, offs_j, mask_j)
-    row = b * L + l  # this token's row in the [B*L, D] partial-dw buffers
-    d_off = b * sd_b + l * sd_l
-    _bwd_tile(q_ptr + b * sq_b + l * sq_l, sq_h, qw_ptr, dqo_ptr + b * sdqo_b + (l_off + l) * sdqo_l, sdqo_h,
+    f00, f01, f10, f11 = _load_pe(pe_ptr + b * spe_b + (l_off + tok) * spe_l, offs_j, mask_j)
+    row = b * L + tok  # this token's row in the [B*L, D] partial-dw buffers
+    d_off = b * sd_b + tok * sd_l
+    _bwd_tile(q_ptr + b * sq_b + tok * sq_l, sq_h, qw_ptr, dqo_ptr + b * sdqo_b + (l_off + tok) * sdqo_l, sdqo_h,
               dq_ptr + d_off, sd_h, dqw_ptr + row * D,
               f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, COMPUTE_DW, RTNE)  # fmt: skip
-    _bwd_tile(k_ptr + b * sk_b + l * sk_l, sk_h, kw_ptr, dko_ptr + b * sdko_b + (l_off + l) * sdko_l, sdko_h,
+    _bwd_tile(k_ptr + b * sk_b + tok * sk_l, sk_h, kw_ptr, dko_ptr + b * sdko_b + (l_off + tok) * sdko_l, sdko_h,
               dk_ptr + d_off, sd_h, dkw_ptr + row * D,
               f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, COMPUTE_DW, RTNE)  # fmt: skip

@@ -22,8 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
-from flux_kernels import fast, patch, reference
+from flux_kernels import patch, reference
 from flux_kernels.attention import library_versions, probe_attention
 from flux_kernels.device import device_info
 from flux_kernels.registry import REGISTRY, TOLERANCE, gated_example, modulate_example, qk_example, unchecked

@@ -34,9 +34,14 @@ def wall_times(tb_dir: Path, tag: str = "loss/current") -> list[tuple[int, float
 def stats(name: str, tb_dir: Path, smi: Path | None, warmup: int) -> dict:
     points = wall_times(tb_dir)
     steps = sorted(k for k in points if isinstance(k, int))
-    deltas = [points[b] - points[a] for a, b in zip(steps, steps[1:]) if a >= warmup]
-    row = {"run": name, "steps": len(steps), "median_s_per_step": statistics.median(deltas) if deltas else None,
-           "min_s": min(deltas) if deltas else None, "max_s": max(deltas) if deltas else None}
+    deltas = [points[b] - points[a] for a, b in zip(steps, steps[1:], strict=False) if a >= warmup]
+    row = {
+        "run": name,
+        "steps": len(steps),
+        "median_s_per_step": statistics.median(deltas) if deltas else None,
+        "min_s": min(deltas) if deltas else None,
+        "max_s": max(deltas) if deltas else None,
+    }
     if "_time/step_s" in points:
         own = points["_time/step_s"][warmup:]
         row["flux_train_time_step_s_median"] = statistics.median(own) if own else None
@@ -60,16 +65,20 @@ def main() -> int:
         tb, _, smi = rest.partition(":")
         rows.append(stats(name, Path(tb), Path(smi) if smi else None, ns.warmup))
     base = rows[0]["median_s_per_step"]
-    print(f"{'run':<28} {'steps':>5} {'s/step':>8} {'min':>7} {'max':>7} {'vs first':>8} {'torch peak':>10} {'smi peak':>9}")
+    print(
+        f"{'run':<28} {'steps':>5} {'s/step':>8} {'min':>7} {'max':>7} {'vs first':>8} {'torch peak':>10} {'smi peak':>9}"
+    )
     for r in rows:
         ratio = base / r["median_s_per_step"] if base and r["median_s_per_step"] else None
 
         def f(v, spec=".3f"):
             return format(v, spec) if isinstance(v, (int, float)) else "-"
 
-        print(f"{r['run']:<28} {r['steps']:>5} {f(r['median_s_per_step']):>8} {f(r['min_s']):>7} {f(r['max_s']):>7} "
-              f"{f(ratio, '.2f'):>8} {f(r.get('torch_peak_allocated_gib'), '.1f'):>10} "
-              f"{f(r.get('nvidia_smi_peak_gib'), '.1f'):>9}")
+        print(
+            f"{r['run']:<28} {r['steps']:>5} {f(r['median_s_per_step']):>8} {f(r['min_s']):>7} {f(r['max_s']):>7} "
+            f"{f(ratio, '.2f'):>8} {f(r.get('torch_peak_allocated_gib'), '.1f'):>10} "
+            f"{f(r.get('nvidia_smi_peak_gib'), '.1f'):>9}"
+        )
     if ns.json:
         ns.json.write_text(json.dumps(rows, indent=1))
     return 0

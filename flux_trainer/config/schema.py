@@ -8,7 +8,7 @@ sd-scripts': `flux_trainer.sdscripts.translate` is the only place that maps them
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -31,9 +31,9 @@ class ModelConfig:
     clip_l: str = MISSING  # CLIP-L text encoder .safetensors
     t5xxl: str = MISSING  # T5-XXL encoder .safetensors
     # random presets: the generated set's shape, written once into the model cache (random_tiny / random)
-    random_preset: Optional[str] = None
+    random_preset: str | None = None
     # tokens of T5 context; None = sd-scripts' default (512 dev, 256 schnell)
-    t5xxl_max_token_length: Optional[int] = None
+    t5xxl_max_token_length: int | None = None
     hub: dict[str, HubFile] = field(default_factory=dict)
 
 
@@ -41,7 +41,7 @@ class ModelConfig:
 class DatasetConfig:
     name: str = MISSING
     images: str = MISSING  # a folder of images; captions beside them as NAME.txt
-    trigger: Optional[str] = None  # put in front of every caption; the caption of images without a .txt
+    trigger: str | None = None  # put in front of every caption; the caption of images without a .txt
     resolution: int = 1024
     repeats: int = 10
     caption_extension: str = ".txt"
@@ -58,12 +58,12 @@ class NetworkConfig:
     module: str = "networks.lora_flux"
     rank: int = 16
     alpha: float = 16.0
-    dropout: Optional[float] = None
+    dropout: float | None = None
     train_blocks: str = "all"  # all | single | double
     split_qkv: bool = False
     train_t5xxl: bool = False
-    loraplus_lr_ratio: Optional[float] = None
-    weights: Optional[str] = None  # start from an existing LoRA file
+    loraplus_lr_ratio: float | None = None
+    weights: str | None = None  # start from an existing LoRA file
 
 
 @dataclass
@@ -91,7 +91,7 @@ class MemoryConfig:
     gradient_checkpointing: bool = True
     cpu_offload_checkpointing: bool = False
     blocks_to_swap: int = 0
-    fp8_base: Optional[bool] = None  # None: the precision preset decides
+    fp8_base: bool | None = None  # None: the precision preset decides
 
 
 @dataclass
@@ -114,8 +114,8 @@ class LoggingConfig:
 @dataclass
 class SampleConfig:
     prompts: list[str] = field(default_factory=list)
-    every_n_steps: Optional[int] = None
-    every_n_epochs: Optional[int] = None
+    every_n_steps: int | None = None
+    every_n_epochs: int | None = None
     sampler: str = "euler"
     steps: int = 20
     width: int = 1024
@@ -127,13 +127,13 @@ class SampleConfig:
 @dataclass
 class TrainConfig:
     output_name: str = MISSING
-    max_steps: Optional[int] = 1500
-    max_epochs: Optional[int] = None
+    max_steps: int | None = 1500
+    max_epochs: int | None = None
     batch_size: int = 1
     gradient_accumulation_steps: int = 1
-    save_every_n_steps: Optional[int] = 250
-    save_every_n_epochs: Optional[int] = None
-    save_last_n: Optional[int] = 4  # keep this many LoRA snapshots and states
+    save_every_n_steps: int | None = 250
+    save_every_n_epochs: int | None = None
+    save_last_n: int | None = 4  # keep this many LoRA snapshots and states
     save_state: bool = True  # optimizer state too, so `resume=auto` loses nothing
     seed: int = 42
     timestep_sampling: str = "flux_shift"
@@ -179,9 +179,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    sd_scripts: Optional[str] = None  # checkout; else FLUX_TRAIN_SD_SCRIPTS; else the cache folder
-    tokenizer_dir: Optional[str] = None  # sd-scripts' tokenizer_cache_dir; else FLUX_TRAIN_TOKENIZER_DIR
-    model_cache: Optional[str] = None  # where random presets are generated; else FLUX_TRAIN_MODEL_CACHE
+    sd_scripts: str | None = None  # checkout; else FLUX_TRAIN_SD_SCRIPTS; else the cache folder
+    tokenizer_dir: str | None = None  # sd-scripts' tokenizer_cache_dir; else FLUX_TRAIN_TOKENIZER_DIR
+    model_cache: str | None = None  # where random presets are generated; else FLUX_TRAIN_MODEL_CACHE
     resume: str = "off"  # off | auto | a state folder
     dry_run: bool = False
 

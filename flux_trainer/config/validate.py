@@ -61,10 +61,7 @@ def no_dataset_message(search_dirs: list[Path]) -> str:
     found = available_datasets(search_dirs)
     where = " or ".join(str(d / "dataset") for d in search_dirs) or "configs/dataset"
     have = f"datasets found: {', '.join(found)}" if found else f"none found in {where}"
-    return (
-        f"no dataset: add +dataset=NAME ({have}); create one with "
-        "`flux-train dataset init NAME --images DIR`"
-    )
+    return f"no dataset: add +dataset=NAME ({have}); create one with `flux-train dataset init NAME --images DIR`"
 
 
 def _check_dataset(d: DictConfig, problems: list[str]) -> None:

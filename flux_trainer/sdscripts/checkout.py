@@ -177,5 +177,7 @@ def import_sd_scripts(path: Path | str) -> SdScriptsModules:
     }
     loaded_from = Path(mods["flux_train_network"].__file__).resolve().parent
     if loaded_from != path:
-        raise ConfigError(f"sd-scripts was already imported from {loaded_from}, not {path}; use one checkout per process")
+        raise ConfigError(
+            f"sd-scripts was already imported from {loaded_from}, not {path}; use one checkout per process"
+        )
     return SdScriptsModules(path=path, **mods)

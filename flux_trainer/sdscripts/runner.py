@@ -21,6 +21,8 @@ from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts,
 
 log = logging.getLogger("flux_trainer.runner")
 RUNNER_SPEC = "runner.json"
+EXIT_FILE = "runner_exit.json"  # accelerate launch turns every child failure into 1; the real code is kept here
+EXIT_NONFINITE_LOSS = 3
 
 
 @dataclass
@@ -60,8 +62,10 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
             if spec.random_model_dir:
                 from flux_trainer.sdscripts.random_model import load_random_models
 
-                log.info("random model preset: building it from %s (not sd-scripts' full-size loaders)",
-                         spec.random_model_dir)
+                log.info(
+                    "random model preset: building it from %s (not sd-scripts' full-size loaders)",
+                    spec.random_model_dir,
+                )
                 clip_l, t5xxl, ae, flux = load_random_models(Path(spec.random_model_dir), weight_dtype, "cpu")
                 self.is_swapping_blocks = False
                 result = (mods.flux_utils.MODEL_VERSION_FLUX_V1, [clip_l, t5xxl], ae, flux)
@@ -107,11 +111,38 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    mods = import_sd_scripts(spec.sd_scripts)
-    args = parse_sd_scripts_args(mods, spec)
-    trainer = make_trainer_class(mods, spec, ns.run_dir)()
-    trainer.train(args)
-    return 0
+    from flux_trainer.sdscripts.hooks import NonFiniteLoss
+
+    code, reason = 1, "crashed"
+    try:
+        mods = import_sd_scripts(spec.sd_scripts)
+        args = parse_sd_scripts_args(mods, spec)
+        trainer = make_trainer_class(mods, spec, ns.run_dir)()
+        trainer.train(args)
+        code, reason = 0, "finished"
+    except NonFiniteLoss as exc:
+        code, reason = EXIT_NONFINITE_LOSS, str(exc)
+        log.error("stopped: %s", exc)
+    except KeyboardInterrupt:
+        code, reason = 130, "interrupted"
+        raise
+    finally:
+        if _is_main_process():
+            (ns.run_dir / EXIT_FILE).write_text(json.dumps({"code": code, "reason": reason}) + "\n")
+    return code
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def child_exit_code(run_dir: Path, launcher_code: int) -> int:
+    """The training process's own exit code where the launcher reported only success/failure."""
+    try:
+        recorded = int(json.loads((run_dir / EXIT_FILE).read_text())["code"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return launcher_code
+    return recorded if launcher_code != 0 and recorded != 0 else launcher_code
 
 
 if __name__ == "__main__":

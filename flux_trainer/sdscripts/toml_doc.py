@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-Scalar = Union[str, int, float, bool]
+Scalar = Union[str, int, float, bool]  # noqa: UP007 - a runtime alias, py3.10 safe either way
 
 
 @dataclass
@@ -52,7 +52,9 @@ class Table:
         """The table as plain Python values (what tomli reads back)."""
         out: dict[str, Any] = {}
         for e in self.entries:
-            out[e.key] = [i.value if isinstance(i, Item) else i for i in e.value] if isinstance(e.value, list) else e.value
+            out[e.key] = (
+                [i.value if isinstance(i, Item) else i for i in e.value] if isinstance(e.value, list) else e.value
+            )
         for child in self.children:
             out.setdefault(child.name.rsplit(".", 1)[-1], []).append(child.plain())
         return out

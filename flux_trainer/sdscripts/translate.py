@@ -91,7 +91,9 @@ def training_document(cfg: DictConfig, paths: RunPaths) -> Document:
     m.add("clip_l", str(cfg.model.clip_l))
     m.add("t5xxl", str(cfg.model.t5xxl))
     m.add("t5xxl_max_token_length", cfg.model.t5xxl_max_token_length)
-    m.add("tokenizer_cache_dir", str(paths.tokenizer_dir) if paths.tokenizer_dir else None, "offline after the first run")
+    m.add(
+        "tokenizer_cache_dir", str(paths.tokenizer_dir) if paths.tokenizer_dir else None, "offline after the first run"
+    )
 
     n = doc.table("network")
     n.add("network_module", cfg.network.module)
@@ -122,7 +124,9 @@ def training_document(cfg: DictConfig, paths: RunPaths) -> Document:
     mem.add("sdpa", cfg.kernels.attention == "sdpa" or None, "PyTorch scaled_dot_product_attention")
     mem.add("xformers", cfg.kernels.attention == "xformers" or None)
 
-    c = doc.table("caching", comment="encode images and captions once; training then needs neither AE nor text encoders")
+    c = doc.table(
+        "caching", comment="encode images and captions once; training then needs neither AE nor text encoders"
+    )
     c.add("cache_latents", bool(cfg.cache.latents) or None)
     c.add("cache_latents_to_disk", bool(cfg.cache.latents_to_disk) or None)
     c.add("cache_text_encoder_outputs", bool(cfg.cache.text_encoder_outputs) or None)
@@ -183,7 +187,11 @@ def dataset_document(cfg: DictConfig) -> Document:
     ds.add("enable_bucket", bool(d.enable_bucket), "aspect-ratio buckets instead of square crops")
     ds.add("min_bucket_reso", int(d.min_bucket_reso))
     ds.add("max_bucket_reso", int(d.max_bucket_reso))
-    ds.add("bucket_reso_steps", 64, "FLUX packs 2x2 latents of the AE's 8x downscale: multiples of 16 work, 64 buckets well")
+    ds.add(
+        "bucket_reso_steps",
+        64,
+        "FLUX packs 2x2 latents of the AE's 8x downscale: multiples of 16 work, 64 buckets well",
+    )
     ds.add("bucket_no_upscale", bool(d.bucket_no_upscale))
     sub = Table("datasets.subsets", array=True)
     sub.add("image_dir", str(d.images))

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -43,8 +42,15 @@ def trained(tmp_path_factory):
     # no tokenizer folder configured: random presets use the packaged stand-ins, so nothing is downloaded
     env = {k: v for k, v in os.environ.items() if k != "FLUX_TRAIN_TOKENIZER_DIR"}
     env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
-    cmd = [shutil.which("flux-train") or sys.executable, "+dataset=tiny", "model=random_tiny", "train.max_steps=2",
-           "train.save_every_n_steps=1", "train.data_loader_workers=0", "memory=cpu"]
+    cmd = [
+        shutil.which("flux-train") or sys.executable,
+        "+dataset=tiny",
+        "model=random_tiny",
+        "train.max_steps=2",
+        "train.save_every_n_steps=1",
+        "train.data_loader_workers=0",
+        "memory=cpu",
+    ]
     if not shutil.which("flux-train"):
         cmd = [sys.executable, "-m", "flux_trainer.cli", *cmd[1:]]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)

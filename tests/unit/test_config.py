@@ -13,9 +13,7 @@ from flux_trainer.config.paths import shipped_config_dir
 from flux_trainer.config.validate import validate
 from tests.conftest import make_images, write_dataset
 
-GROUP_OPTIONS = sorted(
-    (p.parent.name, p.stem) for p in shipped_config_dir().glob("*/*.yaml")
-)
+GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in shipped_config_dir().glob("*/*.yaml"))
 
 
 def test_there_are_presets_to_compose():

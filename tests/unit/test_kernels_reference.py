@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from flux_kernels import patch, reference
 
 HIDDEN, HEADS = 256, 2  # head_dim 128, as FLUX
@@ -36,7 +35,7 @@ def test_rms_norm_and_qknorm_match(fm, dtype):
     pe = reference.make_pe(2, 7, 128)
     want = fm.apply_rope(*norm(q, k, v), pe)
     got = reference.qk_norm_rope(q, k, norm.query_norm.scale, norm.key_norm.scale, pe)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_rope_apply_rope_attention_match(fm):
@@ -44,7 +43,7 @@ def test_rope_apply_rope_attention_match(fm):
     assert torch.equal(reference.rope(pos, 128, 10_000), fm.rope(pos, 128, 10_000))
     q, k, v = (_rand(2, 3, 9, 128, dtype=torch.bfloat16, seed=s) for s in range(3))
     pe = reference.make_pe(2, 9, 128)
-    assert all(torch.equal(g, w) for g, w in zip(reference.apply_rope(q, k, pe), fm.apply_rope(q, k, pe)))
+    assert all(torch.equal(g, w) for g, w in zip(reference.apply_rope(q, k, pe), fm.apply_rope(q, k, pe), strict=True))
     mask = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.bool)[:, None, None, :].expand(2, 3, 9, 9)
     assert torch.equal(reference.attention(q, k, v, pe, mask), fm.attention(q, k, v, pe, mask))
 
@@ -86,7 +85,7 @@ def test_patched_blocks_with_switches_off_are_sd_scripts_bit_for_bit(fm, dtype):
         assert not (ops.qk_norm_rope or ops.modulate or ops.gated_residual or ops.attention)
         assert "_forward" in model.single_blocks[0].__dict__
         got = _run_blocks(model, dtype, with_mask)
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
         assert patch.remove_kernels(model) == ["patch"]
         assert "_forward" not in model.double_blocks[0].__dict__
 
@@ -109,3 +108,23 @@ def test_blocks_found_by_attributes_and_gradient_checkpointing_still_wraps(fm, m
     patch.remove_kernels(model)
     block.disable_gradient_checkpointing()
     assert torch.equal(out, block(*args))
+
+
+def _lora_like(linear: torch.nn.Linear, rank: int = 4) -> None:
+    """What sd-scripts' LoRAModule.apply_to does: fp32 adapters, the Linear's forward replaced."""
+    down = torch.nn.Linear(linear.in_features, rank, bias=False)
+    up = torch.nn.Linear(rank, linear.out_features, bias=False)
+    org_forward = linear.forward
+    linear.forward = lambda x: org_forward(x) + up(down(x))
+    linear._adapters = torch.nn.ModuleList([down, up])
+
+
+def test_verify_runs_bf16_blocks_with_fp32_lora_under_autocast(fm):
+    model = _blocks(fm, torch.bfloat16)
+    _lora_like(model.double_blocks[0].img_attn.qkv)
+    _lora_like(model.single_blocks[0].linear1)
+    patch.install_block_op(model, op="gated_residual")
+    assert patch.verify_blocks(model) == []  # sd-scripts' forward ran (under autocast) and matched
+    model.single_blocks[0]._flux_kernels.gated = lambda x, gate, y: x + gate * y * 1.1  # shared by all blocks
+    with pytest.raises(ValueError, match="double-stream block differs from sd-scripts'"):
+        patch.verify_blocks(model)

@@ -9,7 +9,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from flux_kernels import fast, patch, reference
 from flux_kernels.registry import TOLERANCE, gated_example, modulate_example, qk_example, unchecked
 
@@ -36,7 +35,7 @@ def outs_and_grads(fn, args, wrt, seed=1):
 
 def assert_close(got, want, dtype):
     assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.shape == w.shape and g.dtype == w.dtype, i
         err = ((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
         assert err <= TOLERANCE[dtype], f"tensor {i}: max rel. error {err:.2e} > {TOLERANCE[dtype]:.0e}"

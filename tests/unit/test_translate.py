@@ -42,8 +42,9 @@ def golden_compose(compose, monkeypatch, workdir):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_golden_tomls(case, golden_compose):
     cfg = golden_compose(*CASES[case])
-    train_doc, dataset_doc = translate(cfg, _paths(case) if cfg.sample.prompts else RunPaths(Path("/runs") / case,
-                                                                                            Path("/cache/tokenizers")))
+    train_doc, dataset_doc = translate(
+        cfg, _paths(case) if cfg.sample.prompts else RunPaths(Path("/runs") / case, Path("/cache/tokenizers"))
+    )
     for kind, doc in (("sd_scripts", train_doc), ("dataset", dataset_doc)):
         path = GOLDEN / f"{case}.{kind}.toml"
         text = doc.dumps()
@@ -106,7 +107,7 @@ def test_schema_check_catches_unknown_and_mistyped_keys():
     assert any("fp9" in p and "bf16" in p for p in problems)
 
 
-NASTY = ['say "hi"', "C:\\Users\\me\\pics", "line1\nline2", "ünïcødé ✓ 日本", "tab\there", "back\\slash\"quote", "\x01"]
+NASTY = ['say "hi"', "C:\\Users\\me\\pics", "line1\nline2", "ünïcødé ✓ 日本", "tab\there", 'back\\slash"quote', "\x01"]
 
 
 @pytest.mark.parametrize("value", NASTY)

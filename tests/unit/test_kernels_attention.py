@@ -1,0 +1,129 @@
+"""Attention backend probe on CPU: the math backend passes, a deliberately wrong backend is rejected with the
+reason, unavailable ones say why, SageAttention is never chosen; the cache key moves with versions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from flux_kernels import attention
+from flux_kernels.attention import (
+    BACKENDS,
+    AttentionBackend,
+    AttentionDispatch,
+    BackendResult,
+    cache_key,
+    chosen,
+    probe_attention,
+)
+
+SHAPE = (1, 2, 33, 16)
+
+
+def _math(q, k, v, mask):
+    return BACKENDS["sdpa_math"].run(q, k, v, mask)
+
+
+def _slow_math(q, k, v, mask):
+    for _ in range(5):
+        out = _math(q, k, v, mask)
+    return out
+
+
+def _wrong(q, k, v, mask):  # forgets the mask and scales the output: plausible-looking, wrong
+    return F.scaled_dot_product_attention(q, k, v) * 1.05
+
+
+def _no_backward(q, k, v, mask):
+    return _math(q.detach(), k.detach(), v.detach(), mask)
+
+
+FAKES = {
+    "math": AttentionBackend("math", _math, cuda_only=False),
+    "slow_math": AttentionBackend("slow_math", _slow_math, cuda_only=False),
+    "wrong": AttentionBackend("wrong", _wrong, cuda_only=False),
+    "no_backward": AttentionBackend("no_backward", _no_backward, cuda_only=False),
+    "gpu_only": AttentionBackend("gpu_only", _math),
+    "sage": BACKENDS["sage"],
+}
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_probe_rejects_wrong_backends_and_picks_the_fastest_correct(tmp_path, with_mask):
+    results = probe_attention(SHAPE, torch.float32, "cpu", with_mask, backends=FAKES, cache_path=tmp_path / "c.json")
+    by_name = {r.name: r for r in results}
+    assert by_name["math"].ok and by_name["slow_math"].ok
+    assert by_name["math"].max_err < 1e-5 and by_name["math"].ms_fwd_bwd > 0
+    assert chosen(results) == "math" and results[0].name == "math"  # fastest correct first
+    assert not by_name["wrong"].ok and by_name["wrong"].error.startswith("wrong: max rel. error")
+    assert not by_name["no_backward"].ok and "RuntimeError" in by_name["no_backward"].error
+    assert by_name["gpu_only"].error == "needs CUDA (device is cpu)"
+    assert not by_name["sage"].ok and "no backward" in by_name["sage"].error
+
+
+def test_real_backends_on_cpu(tmp_path):
+    results = probe_attention(SHAPE, torch.float32, "cpu", True, cache_path=tmp_path / "c.json", reps=2)
+    by_name = {r.name: r for r in results}
+    assert by_name["sdpa_math"].ok and by_name["sdpa"].ok
+    assert by_name["sdpa_cudnn"].error == "needs CUDA (device is cpu)"
+    assert by_name["xformers"].ok or by_name["xformers"].error
+    assert chosen(results) in ("sdpa", "sdpa_math", "sdpa_flash")
+
+
+def test_results_are_cached_per_key(tmp_path, monkeypatch):
+    path = tmp_path / "cache.json"
+    first = probe_attention(SHAPE, torch.float32, "cpu", False, backends=FAKES, cache_path=path)
+    key = cache_key(SHAPE, torch.float32, "cpu", False, backends=list(FAKES))
+    assert json.loads(path.read_text())[key][0]["chosen"]
+
+    def boom(*a, **k):
+        raise AssertionError("probed again instead of reading the cache")
+
+    monkeypatch.setattr(attention, "_fwd_bwd", boom)
+    assert probe_attention(SHAPE, torch.float32, "cpu", False, backends=FAKES, cache_path=path) == first
+    with pytest.raises(AssertionError, match="probed again"):
+        probe_attention((1, 2, 35, 16), torch.float32, "cpu", False, backends=FAKES, cache_path=path)
+
+
+def test_cache_key_changes_with_versions_device_and_shape():
+    versions = {"torch": "2.11.0", "cuda": "13.0", "cudnn": "91000", "xformers": "none", "flash_attn": "none"}
+    base = cache_key(SHAPE, torch.bfloat16, "cpu", False, versions)
+    assert base == cache_key(SHAPE, torch.bfloat16, "cpu", False, dict(versions))
+    assert base != cache_key(SHAPE, torch.bfloat16, "cpu", False, {**versions, "torch": "2.12.0"})
+    assert base != cache_key(SHAPE, torch.bfloat16, "cpu", False, {**versions, "cudnn": "91100"})
+    assert base != cache_key(SHAPE, torch.bfloat16, "cpu", False, {**versions, "xformers": "0.0.30"})
+    assert base != cache_key(SHAPE, torch.float16, "cpu", False, versions)
+    assert base != cache_key(SHAPE, torch.bfloat16, "cpu", True, versions)
+    assert base != cache_key((1, 2, 34, 16), torch.bfloat16, "cpu", False, versions)
+    h200 = {"type": "cuda", "name": "NVIDIA H200", "capability": (9, 0)}
+    rtx = {"type": "cuda", "name": "NVIDIA GeForce RTX 5090", "capability": (12, 0)}
+    assert "sm90" in cache_key(SHAPE, torch.bfloat16, h200, False, versions)
+    assert cache_key(SHAPE, torch.bfloat16, h200, False, versions) != cache_key(
+        SHAPE, torch.bfloat16, rtx, False, versions
+    )
+    assert set(attention.library_versions()) >= {"torch", "cuda", "cudnn", "xformers", "flash_attn"}
+
+
+def test_dispatch_probes_once_per_shape_and_uses_the_choice(tmp_path):
+    calls = []
+
+    def counting(q, k, v, mask):
+        calls.append(q.shape)
+        return _math(q, k, v, mask)
+
+    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends={"counting": AttentionBackend(
+        "counting", counting, cuda_only=False), "wrong": FAKES["wrong"]})  # fmt: skip
+    q, k, v = (torch.randn(SHAPE) for _ in range(3))
+    out = dispatch(q, k, v, None)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
+    assert dispatch.choice == {(SHAPE, SHAPE[2], torch.float32, torch.device("cpu"), False): "counting"}
+    n = len(calls)
+    dispatch(q, k, v, None)
+    assert len(calls) == n + 1  # no second probe
+
+
+def test_backend_result_is_plain_data():
+    r = BackendResult("x", False, "why")
+    assert (r.max_err, r.ms_fwd_bwd, r.chosen) == (None, None, False)

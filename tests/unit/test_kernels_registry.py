@@ -1,0 +1,158 @@
+"""Registry, probe and selection: a wrong fast kernel is rejected and auto falls back with one log line and the
+reason; a kernel the user named that cannot run is an error naming why; where each kernel applies."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from flux_kernels import device as devmod
+from flux_kernels import reference, registry
+from flux_kernels.device import DeviceInfo, as_device_info, family_of
+from flux_kernels.registry import REGISTRY, KernelError, KernelSpec, probe, select
+
+HOPPER = DeviceInfo("cuda", 0, "NVIDIA H200", (9, 0), "hopper", True, 139.8, 132)
+TURING = DeviceInfo("cuda", 0, "Tesla T4", (7, 5), "turing_or_older", False, 15.0, 40)
+
+
+def _always(device):
+    return True, "test"
+
+
+def _gated_example(device, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, y = ((torch.randn(2, 5, 16, generator=gen) + 0.5).to(dtype).requires_grad_() for _ in range(2))
+    gate = (torch.randn(2, 1, 16, generator=gen) + 1.0).to(dtype).requires_grad_()
+    return x, gate, y
+
+
+def _spec(name, fast, applies=_always) -> KernelSpec:
+    return KernelSpec(
+        name, "test kernel", applies, lambda model, **o: name, reference.gated_residual, fast, _gated_example
+    )
+
+
+GOOD = _spec("good", lambda x, g, y: x + g * y)
+OFF_BY_A_LITTLE = _spec("off_by_a_little", lambda x, g, y: (x + g * y) * 1.01)
+WRONG_GRAD = _spec("wrong_grad", lambda x, g, y: x + g.detach() * y)  # right forward, no gate gradient
+CRASHES = _spec("crashes", lambda x, g, y: torch.cat([x, g]))
+NEEDS_GPU = _spec("needs_gpu", lambda x, g, y: x + g * y, applies=lambda d: (False, "needs a CUDA GPU"))
+TEST_REGISTRY = {s.name: s for s in (GOOD, OFF_BY_A_LITTLE, WRONG_GRAD, CRASHES, NEEDS_GPU)}
+
+
+def test_probe_accepts_a_correct_kernel_and_rejects_wrong_ones():
+    assert probe(GOOD, "cpu").ok
+    bad = probe(OFF_BY_A_LITTLE, "cpu")
+    assert not bad.ok and "output 0" in bad.reason and bad.max_err == pytest.approx(0.01, rel=0.3)
+    no_grad = probe(WRONG_GRAD, "cpu")
+    assert not no_grad.ok and "gradient" in no_grad.reason
+    crash = probe(CRASHES, "cpu")
+    assert not crash.ok and crash.reason.startswith("probe crashed: RuntimeError")
+
+
+def test_probe_tolerance_is_per_dtype():
+    slightly_off = _spec("slightly_off", lambda x, g, y: (x + g * y) * (1 + 1e-3))  # fine for bf16, not fp32
+    assert probe(dataclasses.replace(slightly_off, dtypes=(torch.bfloat16,)), "cpu").ok
+    assert not probe(dataclasses.replace(slightly_off, dtypes=(torch.float32,)), "cpu").ok
+
+
+def test_auto_installs_what_passes_and_skips_the_rest_with_one_log_line_each(caplog):
+    with caplog.at_level(logging.INFO, logger="flux_kernels.registry"):
+        sel = select("auto", "cpu", registry=TEST_REGISTRY)
+    assert sel.installed == ("good",)
+    assert [s.name for s in sel.specs] == ["good"]
+    assert set(sel.skipped) == {"off_by_a_little", "wrong_grad", "crashes", "needs_gpu"}
+    assert sel.skipped["needs_gpu"] == "needs a CUDA GPU"
+    assert "probe failed vs reference" in sel.skipped["off_by_a_little"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4 and all(line.startswith("kernel ") and " skipped: " in line for line in lines)
+    assert "skipped: off_by_a_little (probe failed" in sel.summary()
+
+
+def test_explicit_request_that_cannot_run_raises_with_the_reason():
+    assert select(["good"], "cpu", registry=TEST_REGISTRY).installed == ("good",)
+    with pytest.raises(KernelError, match="'needs_gpu' cannot run on cpu: needs a CUDA GPU"):
+        select(["good", "needs_gpu"], "cpu", registry=TEST_REGISTRY)
+    with pytest.raises(KernelError, match="'off_by_a_little' cannot run .* probe failed vs reference"):
+        select("off_by_a_little", "cpu", registry=TEST_REGISTRY)
+    with pytest.raises(KernelError, match="unknown kernel 'nope'; choose from good, off_by_a_little"):
+        select(["nope"], "cpu", registry=TEST_REGISTRY)
+
+
+def test_off_installs_nothing_and_real_registry_explicit_compile_on_cpu_raises():
+    assert select("off", "cpu").installed == () and select("off", "cpu").skipped == {}
+    assert select([], "cpu").installed == ()
+    with pytest.raises(KernelError, match="compile_blocks.*only meaningful on a CUDA GPU"):
+        select("compile_blocks", "cpu")
+    with pytest.raises(KernelError, match="attention.*only meaningful on a CUDA GPU"):
+        select("attention", "cpu")
+
+
+def test_every_registry_entry_is_frozen_and_complete():
+    assert list(REGISTRY) == ["attention", "qk_norm_rope", "modulate", "gated_residual", "compile_blocks"]
+    for spec in REGISTRY.values():
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            spec.name = "x"
+        assert spec.check is not None or (spec.reference and spec.fast and spec.example), spec.name
+    assert "no backward" in REGISTRY["attention"].description
+
+
+def test_where_kernels_apply(monkeypatch):
+    monkeypatch.setattr(registry, "triton_available", lambda: True)
+    assert registry.triton_applies(HOPPER) == (True, "NVIDIA H200 (hopper)")
+    ok, why = registry.triton_applies(TURING)
+    assert not ok and "sm_80" in why
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert registry.triton_applies("cpu") == (False, "needs a CUDA GPU (device is cpu)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert registry.triton_applies("cpu")[0]
+    monkeypatch.setattr(registry, "triton_available", lambda: False)
+    assert registry.triton_applies(HOPPER) == (False, "triton is not installed (pip install triton)")
+    assert registry.compile_applies(HOPPER)[1].startswith("torch.compile's GPU backend needs triton")
+    assert registry.cuda_applies({"type": "cuda", "name": "x", "capability": [8, 9]}) == (True, "x (ada)")
+
+
+def test_device_info_without_cuda_calls():
+    assert device_info_cpu() == DeviceInfo("cpu", None, "cpu", None, "cpu", True, None, None)
+    assert as_device_info({"type": "cuda", "capability": (12, 0)}).family == "blackwell_consumer"
+    fam = {(10, 0): "blackwell", (9, 0): "hopper", (8, 9): "ada", (8, 6): "ampere", (7, 5): "turing_or_older"}
+    assert all(family_of(c) == f for c, f in fam.items())
+
+
+def device_info_cpu():
+    return devmod.device_info("cpu")
+
+
+def test_flux_kernels_works_without_triton_and_never_imports_sd_scripts_or_flux_trainer():
+    """A machine without triton imports every module, gets the references, and auto installs nothing."""
+    code = """
+import sys
+sys.modules["triton"] = None  # as if not installed
+import torch
+from flux_kernels import attention, fast, patch, reference, registry
+x, s = torch.randn(2, 5, 8), torch.randn(2, 1, 8)
+assert torch.equal(fast.modulate(x, s, s), reference.modulate(x, s, s))
+sel = registry.select("auto", "cpu")
+assert sel.installed == () and sel.skipped["modulate"].startswith("triton is not installed"), sel
+bad = [m for m in sys.modules if m.split(".")[0] in ("flux_trainer", "library", "triton") and sys.modules[m]]
+assert not bad, bad
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_real_kernels_auto_on_cpu_via_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: tests/gpu covers the real kernels there")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sel = select("auto", "cpu")
+    assert sel.installed == ("qk_norm_rope", "modulate", "gated_residual")
+    assert set(sel.skipped) == {"attention", "compile_blocks"}
