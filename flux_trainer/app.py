@@ -205,6 +205,10 @@ def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = No
     try:
         prepared = prepare(cfg, run_dir, search_dirs=search_dirs, info=info)
     except FinishedRun:
+        try:
+            run_dir.rmdir()  # Hydra made it; nothing to put in it
+        except OSError:
+            pass
         return 0
     say(f"run dir: {prepared.run_dir}")
     if cfg.dry_run:

@@ -8,6 +8,7 @@ pass and is never selected for training.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -239,9 +240,11 @@ def probe_attention(
     use_cache: bool = True,
     warmup: int = 2,
     reps: int = 5,
+    timer: Callable[[str, Callable[[], object]], float] | None = None,
 ) -> list[BackendResult]:
     """Run every backend forward+backward at `shape` (B, H, L, D), compare output and gradients with SDPA's
-    math backend in fp32, time the correct ones; return all results, fastest correct first (`chosen`)."""
+    math backend in fp32, time the correct ones; return all results, fastest correct first (`chosen`).
+    `timer(name, fn) -> ms` replaces the median-of-`reps` timing (tests use it to be independent of load)."""
     dev = as_device_info(device).torch_device
     backends = BACKENDS if backends is None else backends
     path = Path(cache_path) if cache_path else default_cache_path()
@@ -265,7 +268,8 @@ def probe_attention(
             if not err <= tol:
                 results.append(BackendResult(name, False, f"wrong: max rel. error {err:.2e} > {tol:.2e}", err))
                 continue
-            ms = _time_ms(lambda b=backend: _fwd_bwd(b.run, q, k, v, go, mask), dev, warmup, reps)
+            run = functools.partial(_fwd_bwd, backend.run, q, k, v, go, mask)
+            ms = timer(name, run) if timer else _time_ms(run, dev, warmup, reps)
             results.append(BackendResult(name, True, "", err, ms))
         except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend; the reason is reported
             results.append(BackendResult(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))

@@ -85,10 +85,16 @@ def as_device_info(device: DeviceInfo | torch.device | str | int | dict | None) 
     return device_info(device)
 
 
+_triton_found: bool | None = None
+
+
 def triton_available() -> bool:
     """True if `import triton` would find a package. Does not import it (that takes a second and is not needed
-    to decide)."""
-    return importlib.util.find_spec("triton") is not None
+    to decide). Looked up once per process: every fast op asks."""
+    global _triton_found
+    if _triton_found is None:
+        _triton_found = importlib.util.find_spec("triton") is not None
+    return _triton_found
 
 
 def triton_interpreting() -> bool:

@@ -130,7 +130,13 @@ def _qk_problem(segments, pe: Tensor) -> str | None:
         return "pe requires grad (the kernel treats RoPE as a constant)"
     if pe.dim() != 6 or pe.shape[1:] != (1, L, D // 2, 2, 2) or pe.shape[0] not in (1, B):
         return f"pe shape {tuple(pe.shape)} is not [B|1, 1, {L}, {D // 2}, 2, 2]"
-    return _common_problem([t for s in segments for t in s] + [pe])
+    # scales of any float dtype are fine: fp8-base models (sd-scripts casts the whole model) get an fp32 copy
+    return _common_problem([t for s in segments for t in s[:2]] + [pe.float()])
+
+
+def _scale(w: Tensor) -> Tensor:
+    """RMSNorm reads its scale as fp32 (`self.scale.float()`); give the kernel that when it is fp8."""
+    return w if w.dtype in DTYPES else w.float()
 
 
 def qk_norm_rope_cat(
@@ -145,7 +151,7 @@ def qk_norm_rope_cat(
         return reference.qk_norm_rope_cat(segments, pe, eps)
     flat = []
     for q, k, qw, kw in segments:
-        flat += [_unit_stride(q), _unit_stride(k), qw, kw]
+        flat += [_unit_stride(q), _unit_stride(k), _scale(qw), _scale(kw)]
     pe = pe if pe.dtype == torch.float32 and pe.is_contiguous() else pe.float().contiguous()
     return _QKNormRope.apply(pe, eps, *flat)
 

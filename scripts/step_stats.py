@@ -65,9 +65,7 @@ def main() -> int:
         tb, _, smi = rest.partition(":")
         rows.append(stats(name, Path(tb), Path(smi) if smi else None, ns.warmup))
     base = rows[0]["median_s_per_step"]
-    print(
-        f"{'run':<28} {'steps':>5} {'s/step':>8} {'min':>7} {'max':>7} {'vs first':>8} {'torch peak':>10} {'smi peak':>9}"
-    )
+    print(f"{'run':<28} {'steps':>5} {'s/step':>8} {'min':>7} {'max':>7} {'ratio':>6} {'torch pk':>8} {'smi pk':>7}")
     for r in rows:
         ratio = base / r["median_s_per_step"] if base and r["median_s_per_step"] else None
 
@@ -76,8 +74,8 @@ def main() -> int:
 
         print(
             f"{r['run']:<28} {r['steps']:>5} {f(r['median_s_per_step']):>8} {f(r['min_s']):>7} {f(r['max_s']):>7} "
-            f"{f(ratio, '.2f'):>8} {f(r.get('torch_peak_allocated_gib'), '.1f'):>10} "
-            f"{f(r.get('nvidia_smi_peak_gib'), '.1f'):>9}"
+            f"{f(ratio, '.2f'):>6} {f(r.get('torch_peak_allocated_gib'), '.1f'):>8} "
+            f"{f(r.get('nvidia_smi_peak_gib'), '.1f'):>7}"
         )
     if ns.json:
         ns.json.write_text(json.dumps(rows, indent=1))

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,11 +56,15 @@ def trained(tmp_path_factory):
         cmd = [sys.executable, "-m", "flux_trainer.cli", *cmd[1:]]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     runs = sorted((work / "runs" / "tiny").glob("*"))
-    return proc, runs[-1] if runs else None
+
+    def rerun(*extra):
+        return subprocess.run([*cmd, *extra], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+
+    return SimpleNamespace(proc=proc, run_dir=runs[-1] if runs else None, rerun=rerun)
 
 
 def test_run_succeeds(trained):
-    proc, run_dir = trained
+    proc, run_dir = trained.proc, trained.run_dir
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert run_dir is not None
     for name in ("config.yaml", "sd_scripts.toml", "dataset.toml", "command.txt", "env.json", "train.log"):
@@ -70,7 +75,7 @@ def test_run_succeeds(trained):
 def test_lora_file_has_sd_scripts_keys(trained):
     from safetensors import safe_open
 
-    _, run_dir = trained
+    run_dir = trained.run_dir
     final = run_dir / "tiny.safetensors"
     assert final.is_file(), sorted(p.name for p in run_dir.iterdir())
     with safe_open(str(final), "pt") as f:
@@ -83,7 +88,7 @@ def test_lora_file_has_sd_scripts_keys(trained):
 def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     from flux_trainer.metrics.tensorboard import read_scalars, read_texts
 
-    _, run_dir = trained
+    run_dir = trained.run_dir
     event_dirs = {p.parent for p in (run_dir / "tb").rglob("events.out.tfevents.*")}
     assert event_dirs, "no TensorBoard events"
     scalars, texts = {}, {}
@@ -101,6 +106,20 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
 def test_saved_state_allows_resume(trained):
     from flux_trainer.sdscripts.resume import newest_state
 
-    _, run_dir = trained
+    run_dir = trained.run_dir
     state = newest_state(run_dir.parent.parent, "tiny")
     assert state is not None and state.step == 2
+
+
+def test_resume_auto_continues_then_says_finished(trained):
+    runs_root = trained.run_dir.parent
+    more = trained.rerun("resume=auto", "train.max_steps=3")
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert "continuing 'tiny' from step 2" in more.stdout
+    newest = sorted(p for p in runs_root.iterdir() if p.is_dir())[-1]
+    assert '"current_step": 3' in (newest / "tiny-state" / "train_state.json").read_text()
+    before = sorted(runs_root.iterdir())
+    done = trained.rerun("resume=auto", "train.max_steps=3")
+    assert done.returncode == 0 and "already finished" in done.stdout
+    assert sorted(runs_root.iterdir()) == before  # nothing new written
+

@@ -26,10 +26,8 @@ def _math(q, k, v, mask):
     return BACKENDS["sdpa_math"].run(q, k, v, mask)
 
 
-def _slow_math(q, k, v, mask):
-    for _ in range(5):
-        out = _math(q, k, v, mask)
-    return out
+def _slow_math(q, k, v, mask):  # correct, and slower by the test's clock (FAKE_MS)
+    return _math(q, k, v, mask)
 
 
 def _wrong(q, k, v, mask):  # forgets the mask and scales the output: plausible-looking, wrong
@@ -38,6 +36,14 @@ def _wrong(q, k, v, mask):  # forgets the mask and scales the output: plausible-
 
 def _no_backward(q, k, v, mask):
     return _math(q.detach(), k.detach(), v.detach(), mask)
+
+
+FAKE_MS = {"math": 1.0, "slow_math": 2.0}
+
+
+def fake_timer(name, run):
+    run()
+    return FAKE_MS[name]
 
 
 FAKES = {
@@ -52,10 +58,11 @@ FAKES = {
 
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_probe_rejects_wrong_backends_and_picks_the_fastest_correct(tmp_path, with_mask):
-    results = probe_attention(SHAPE, torch.float32, "cpu", with_mask, backends=FAKES, cache_path=tmp_path / "c.json")
+    path = tmp_path / "c.json"
+    results = probe_attention(SHAPE, torch.float32, "cpu", with_mask, backends=FAKES, cache_path=path, timer=fake_timer)
     by_name = {r.name: r for r in results}
     assert by_name["math"].ok and by_name["slow_math"].ok
-    assert by_name["math"].max_err < 1e-5 and by_name["math"].ms_fwd_bwd > 0
+    assert by_name["math"].max_err < 1e-5 and by_name["math"].ms_fwd_bwd == 1.0
     assert chosen(results) == "math" and results[0].name == "math"  # fastest correct first
     assert not by_name["wrong"].ok and by_name["wrong"].error.startswith("wrong: max rel. error")
     assert not by_name["no_backward"].ok and "RuntimeError" in by_name["no_backward"].error

@@ -75,6 +75,16 @@ def test_qk_norm_rope_frozen_scales_and_one_output_used(dev):
     assert dk.abs().max() == 0
 
 
+def test_qk_norm_rope_fp8_scales_as_in_fp8_base_models(dev):
+    """sd-scripts' fp8_base casts the whole model, RMSNorm scales included, and reads them back as fp32."""
+    (q, k, qw, kw), pe = qk_example(dev, torch.bfloat16, B=1, H=2, lt=3, li=1)[0][0], reference.make_pe(1, 3, 128)
+    qw8, kw8 = qw.detach().to(torch.float8_e4m3fn), kw.detach().to(torch.float8_e4m3fn)
+    args = (q, k)
+    want = outs_and_grads(lambda a, b: reference.qk_norm_rope(a, b, qw8, kw8, pe.to(dev)), args, [q, k])
+    got = outs_and_grads(lambda a, b: fast.qk_norm_rope(a, b, qw8, kw8, pe.to(dev), fallback=False), args, [q, k])
+    assert_close(got, want, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("hidden", [96, 100])
 def test_modulate_fwd_bwd(dev, dtype, hidden):
