@@ -107,26 +107,27 @@ def demo_command(extra: list[str]) -> int:
 
 
 def runs_command(root: Path) -> int:
-    from flux_trainer.metrics.tensorboard import list_runs
+    """One line per run dir (runs/<output_name>/<time>), read from its TensorBoard events."""
+    from flux_trainer.metrics.tensorboard import summarize_run
 
     if not root.is_dir():
         raise ConfigError(f"{root} does not exist; runs are under logging.root (default ./runs)")
-    summaries = list_runs(root)
-    if not summaries:
+    run_dirs = sorted(p for p in root.glob("*/*") if (p / "tb").is_dir())
+    if not run_dirs:
         print(f"no runs with TensorBoard events under {root}")
         return 0
-    header = f"{'run':<48} {'steps':>6} {'last loss':>10} {'s/step':>8} {'peak VRAM':>10}"
-    print(header)
-    print("-" * len(header))
-    for s in summaries:
-        name = str(Path(s.run_dir).relative_to(root)) if Path(s.run_dir).is_relative_to(root) else str(s.run_dir)
 
-        def fmt(v, spec):
-            return format(v, spec) if v is not None else "-"
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
 
+    header = f"{'run':<40} {'steps':>6} {'last loss':>10} {'s/step':>8} {'peak VRAM':>10} {'TFLOP/s':>8}"
+    print(header + "\n" + "-" * len(header))
+    for run_dir in run_dirs:
+        s = summarize_run(run_dir)
+        name = str(run_dir.relative_to(root))[-40:]
         print(
-            f"{name[-48:]:<48} {s.steps_done:>6} {fmt(s.last_loss, '.4f'):>10} {fmt(s.median_step_s, '.3f'):>8} "
-            f"{fmt(s.peak_vram_gib, '.1f'):>8} G"
+            f"{name:<40} {s.steps_done:>6} {fmt(s.last_loss, '.4f'):>10} {fmt(s.median_step_s, '.3f'):>8} "
+            f"{fmt(s.peak_vram_gib, '.1f'):>8} G {fmt(s.median_tflops, '.0f'):>8}"
         )
     print(f"\ncompare: tensorboard --logdir {root}")
     return 0

@@ -92,9 +92,10 @@ class _QKNormRope(torch.autograd.Function):
         pe, *flat = ctx.saved_tensors
         qs, ks, qws, kws = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
         n = len(qs)
-        ref = qs[0].new_empty(qs[0].shape[0], qs[0].shape[1], sum(q.shape[2] for q in qs), qs[0].shape[3])
-        dq_out = torch.zeros_like(ref) if dq_out is None else dq_out
-        dk_out = torch.zeros_like(ref) if dk_out is None else dk_out
+        if dq_out is None or dk_out is None:  # one of q, k feeds nothing downstream
+            B, H, _, D = qs[0].shape
+            zeros = qs[0].new_zeros(B, H, sum(q.shape[2] for q in qs), D)
+            dq_out, dk_out = (zeros if dq_out is None else dq_out), (zeros if dk_out is None else dk_out)
         need = ctx.needs_input_grad[2:]
         need_dw = any(need[4 * i + j] for i in range(n) for j in (2, 3))
         out = _ops_lib().qk_norm_rope_bwd(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MethodType
 
@@ -42,6 +42,10 @@ DOUBLE_ATTRS = ("img_mod", "txt_mod", "img_norm1", "txt_norm1", "img_attn", "txt
                 "img_mlp", "txt_mlp", "num_heads")  # fmt: skip
 SINGLE_ATTRS = ("linear1", "linear2", "pre_norm", "modulation", "norm", "mlp_act", "hidden_size", "mlp_hidden_dim",
                 "num_heads")  # fmt: skip
+
+
+class KernelError(RuntimeError):
+    """A kernel the user asked for by name cannot run here (the message says why and what to do)."""
 
 
 @dataclass
@@ -276,22 +280,27 @@ def apply_kernels(
     verify: bool = True,
 ) -> list[str]:
     """Install `selection.specs` (from `registry.select`) into `flux_model`; returns the installed names.
-    `options` maps a kernel name to its install options. With `verify`, patched blocks are checked against
-    sd-scripts' original forward first; on a mismatch everything is undone and ValueError raised."""
+    `options` maps a kernel name to its install options. With `verify`, the patched blocks are first checked
+    against sd-scripts' own forward; if they differ, the block patches are undone and then, for kernels the
+    user named, KernelError is raised, while for `auto` one warning says so and training goes on without them.
+    `compile_blocks` is installed last, so what it compiles includes the other patches."""
     options = options or {}
-    lines = [spec.install(flux_model, **options.get(spec.name, {})) for spec in _ordered(selection.specs)]
-    if verify and any(s.name in BLOCK_OPS for s in selection.specs):
+    specs = list(selection.specs)
+    block_specs = [s for s in specs if s.name in BLOCK_OPS]
+    lines = [s.install(flux_model, **options.get(s.name, {})) for s in block_specs]
+    if verify and block_specs:
         try:
             for note in verify_blocks(flux_model):
                 log.warning("flux_kernels: %s", note)
-        except Exception:
+        except ValueError as e:
             remove_kernels(flux_model)
-            raise
+            names = ", ".join(s.name for s in block_specs)
+            if getattr(selection, "explicit", True):
+                raise KernelError(f"kernels {names} failed verification: {e}; remove them from kernels=") from e
+            log.warning("flux_kernels: %s not installed: %s", names, e)
+            specs = [s for s in specs if s not in block_specs]
+            lines = []
+    lines += [s.install(flux_model, **options.get(s.name, {})) for s in specs if s.name not in BLOCK_OPS]
     for line in lines:
         log.info("flux_kernels installed %s", line)
-    return [s.name for s in selection.specs]
-
-
-def _ordered(specs: Iterable) -> list:
-    """compile_blocks last, so the graphs it captures at first call include the other patches."""
-    return sorted(specs, key=lambda s: s.name == "compile_blocks")
+    return [s.name for s in specs]

@@ -20,15 +20,12 @@ import torch
 from flux_kernels import fast, patch, reference
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
 from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
+from flux_kernels.patch import KernelError
 from torch.utils._pytree import tree_flatten
 
 log = logging.getLogger(__name__)
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}  # max |fast - ref| / max |ref|
-
-
-class KernelError(RuntimeError):
-    """A kernel the user asked for by name cannot run here (the message says why and what to do)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +55,7 @@ class Selection:
     skipped: Mapping[str, str] = field(default_factory=dict)  # name -> why not
     device: DeviceInfo | None = None
     specs: tuple[KernelSpec, ...] = ()
+    explicit: bool = False  # the user named these kernels: failing to install them is an error, not a fallback
 
     def summary(self) -> str:
         skipped = "; ".join(f"{k} ({v})" for k, v in self.skipped.items())
@@ -294,7 +292,7 @@ def unchecked(names: Iterable[str], registry: Mapping[str, KernelSpec] | None = 
     configurations on purpose. Training goes through `select`."""
     registry = REGISTRY if registry is None else registry
     names = tuple(_requested_names(list(names), registry) or ())
-    return Selection(names, {}, None, tuple(registry[n] for n in names))
+    return Selection(names, {}, None, tuple(registry[n] for n in names), explicit=True)
 
 
 def select(
@@ -322,4 +320,4 @@ def select(
         else:
             skipped[name] = why
             log.info("kernel %s skipped: %s", name, why)
-    return Selection(tuple(installed), skipped, info, tuple(registry[n] for n in installed))
+    return Selection(tuple(installed), skipped, info, tuple(registry[n] for n in installed), explicit)

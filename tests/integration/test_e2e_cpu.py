@@ -123,3 +123,13 @@ def test_resume_auto_continues_then_says_finished(trained):
     assert done.returncode == 0 and "already finished" in done.stdout
     assert sorted(runs_root.iterdir()) == before  # nothing new written
 
+
+
+def test_runs_listing_reads_the_events(trained, capsys):
+    from flux_trainer.cli_commands import runs_command
+
+    root = trained.run_dir.parent.parent
+    assert runs_command(root) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if trained.run_dir.name in ln)
+    fields = line.split()
+    assert fields[1] == "2" and float(fields[2]) > 0  # steps done, last loss

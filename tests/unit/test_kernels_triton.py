@@ -5,12 +5,13 @@ CUDA machine on the GPU. Skipped with the reason when triton is not installed.""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
 import torch
 from flux_kernels import fast, patch, reference
-from flux_kernels.registry import TOLERANCE, gated_example, modulate_example, qk_example, unchecked
+from flux_kernels.registry import TOLERANCE, KernelError, gated_example, modulate_example, qk_example, unchecked
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +162,14 @@ def test_kernels_installed_into_sd_scripts_blocks_verify(dev, fm, monkeypatch):
     selection = unchecked(["qk_norm_rope", "modulate", "gated_residual"])
     assert patch.apply_kernels(model, selection) == ["qk_norm_rope", "modulate", "gated_residual"]  # verified
     patch.remove_kernels(model)
-    # a kernel that is slightly wrong inside the block is caught by verification, and nothing stays installed
+    # a kernel that is slightly wrong inside the block is caught by verification, and nothing stays installed:
+    # named by the user, that is an error; in auto, a warning and plain sd-scripts
     monkeypatch.setattr(fast, "gated_residual", lambda x, gate, y: x + 1.2 * gate * y)
-    with pytest.raises(ValueError, match="differs from sd-scripts"):
+    with pytest.raises(KernelError, match="failed verification: patched double-stream block differs"):
         patch.apply_kernels(model, selection)
     assert "_forward" not in model.double_blocks[0].__dict__
+    assert patch.apply_kernels(model, dataclasses.replace(selection, explicit=False)) == []
+    assert "_forward" not in model.single_blocks[0].__dict__
 
 
 def test_patched_block_traces_without_graph_breaks(dev, fm):
