@@ -37,7 +37,12 @@ def _row_split(device: torch.device, B: int, L: int, reduce: bool) -> tuple[int,
     return triton.cdiv(L, rows), rows
 
 
-def _warps(block: int) -> int:
+def _warps(block: int, bwd: bool = False) -> int:
+    """Warps per program for one hidden-size row. From ptxas register counts (triton 3.7, sm_90, bf16, C=3072):
+    a 4096-wide backward needs 16 warps to stay near 64-108 registers; no configuration spills. Not yet tuned
+    by measurement."""
+    if block >= 4096:
+        return 16 if bwd else 8
     return 8 if block >= 2048 else 4
 
 
@@ -67,7 +72,7 @@ def define_ops() -> SimpleNamespace:
                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                     q_out.stride(0), q_out.stride(1), q_out.stride(2), spe_b, pe.stride(2), eps,
                     D=D, HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_J=triton.next_power_of_2(D // 2),
-                    RTNE=_RTNE, num_warps=4,
+                    RTNE=_RTNE, num_warps=8,
                 )  # fmt: skip
             l_off += L
         return q_out, k_out
@@ -101,7 +106,7 @@ def define_ops() -> SimpleNamespace:
                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                     dq.stride(0), dq.stride(1), dq.stride(2), spe_b, pe.stride(2), eps,
                     D=D, HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_J=triton.next_power_of_2(D // 2),
-                    COMPUTE_DW=need_dw, RTNE=_RTNE, num_warps=4,
+                    COMPUTE_DW=need_dw, RTNE=_RTNE, num_warps=8,
                 )  # fmt: skip
             grads += [dq, dk]
             dws += [dqw.sum(0), dkw.sum(0)] if need_dw else [dqw.new_empty(0), dkw.new_empty(0)]  # never aliased
@@ -154,7 +159,7 @@ def define_ops() -> SimpleNamespace:
             tm.modulate_bwd[(progs, B)](
                 dout, x, scale, mean, rstd, dx, dsc, dsh, L, C, rows, progs,
                 dout.stride(0), dout.stride(1), x.stride(0), x.stride(1), scale.stride(0), dx.stride(0), dx.stride(1),
-                BLOCK_C=block, COMPUTE_DSS=need_dss, RTNE=_RTNE, num_warps=_warps(block),
+                BLOCK_C=block, COMPUTE_DSS=need_dss, RTNE=_RTNE, num_warps=_warps(block, bwd=True),
             )  # fmt: skip
         if not need_dss:
             return dx, x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)
@@ -195,7 +200,7 @@ def define_ops() -> SimpleNamespace:
             tm.gated_bwd[(progs, B)](
                 dout, gate, y, dy, dg, L, C, rows, progs, dout.stride(0), dout.stride(1), gate.stride(0),
                 y.stride(0), y.stride(1), dy.stride(0), dy.stride(1),
-                BLOCK_C=block, COMPUTE_DGATE=need_dgate, RTNE=_RTNE, num_warps=_warps(block),
+                BLOCK_C=block, COMPUTE_DGATE=need_dgate, RTNE=_RTNE, num_warps=_warps(block, bwd=True),
             )  # fmt: skip
         if not need_dgate:
             return dy, y.new_empty(0, dtype=torch.float32)

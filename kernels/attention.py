@@ -286,13 +286,15 @@ def chosen(results: Sequence[BackendResult]) -> str | None:
 
 
 class AttentionDispatch:
-    """Callable (q, k, v, mask) -> [B, H, L, D] that uses the backend chosen for this shape. The first call at a
-    new shape probes (eagerly, outside torch.compile); while compiling an unseen shape uses PyTorch's default."""
+    """Callable (q, k, v, mask) -> [B, H, L, D] that uses the backend chosen for this shape. The first eager call
+    at a new shape probes; under torch.compile (shapes may be symbolic there) it uses the last choice made for
+    the same dtype and mask, else PyTorch's default, so tracing never probes."""
 
     def __init__(self, cache_path: Path | str | None = None, backends: Mapping[str, AttentionBackend] | None = None):
         self.cache_path = cache_path
         self.backends = BACKENDS if backends is None else backends
         self.choice: dict[tuple, str] = {}
+        self.by_kind: dict[tuple[torch.dtype, bool], str] = {}
 
     @staticmethod
     def key(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple:
@@ -305,13 +307,16 @@ class AttentionDispatch:
         rejected = "; ".join(f"{r.name}: {r.error}" for r in results if not r.ok)
         log.info("attention %s %s mask=%s: %s (rejected: %s)", tuple(shape), dtype, with_mask, name, rejected or "-")
         self.choice[(tuple(shape), shape[2], dtype, dev, with_mask)] = name
+        self.by_kind[(dtype, with_mask)] = name
         return name
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        name = self.choice.get(self.key(q, k, mask))
-        if name is None:
-            if torch.compiler.is_compiling() or q.shape[2] != k.shape[2]:
-                name = "sdpa"
-            else:
-                name = self.prepare(tuple(q.shape), q.dtype, q.device, mask is not None)
-        return self.backends[name].run(q, k, v, mask)
+        if torch.compiler.is_compiling():
+            name = self.by_kind.get((q.dtype, mask is not None), "sdpa")
+        else:
+            name = self.choice.get(self.key(q, k, mask))
+            if name is None:
+                name = (
+                    "sdpa" if q.shape[2] != k.shape[2] else self.prepare(q.shape, q.dtype, q.device, mask is not None)
+                )
+        return self.backends.get(name, BACKENDS["sdpa"]).run(q, k, v, mask)

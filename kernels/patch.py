@@ -25,6 +25,7 @@ sd-scripts' blocks), and `verify_blocks` checks the installed result against the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ ATTR = "_flux_kernels"
 BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "attention")
 DOUBLE_ATTRS = ("img_mod", "txt_mod", "img_norm1", "txt_norm1", "img_attn", "txt_attn", "img_norm2", "txt_norm2",
                 "img_mlp", "txt_mlp", "num_heads")  # fmt: skip
+DOUBLE_PARAMS = ("self", "img", "txt", "vec", "pe", "txt_attention_mask")
+SINGLE_PARAMS = ("self", "x", "vec", "pe", "txt_attention_mask")
 SINGLE_ATTRS = ("linear1", "linear2", "pre_norm", "modulation", "norm", "mlp_act", "hidden_size", "mlp_hidden_dim",
                 "num_heads")  # fmt: skip
 
@@ -135,12 +138,22 @@ def _is_plain_layernorm(m) -> bool:
     return isinstance(m, nn.LayerNorm) and m.weight is None and m.bias is None
 
 
+def _forward_params(m: nn.Module) -> tuple[str, ...]:
+    fn = getattr(type(m), "_forward", None)
+    try:
+        return tuple(inspect.signature(fn).parameters) if fn is not None else ()
+    except (TypeError, ValueError):
+        return ()
+
+
 def block_kind(m: nn.Module) -> str | None:
-    """ "double", "single" or None, by attributes (sd-scripts' classes are never imported)."""
-    if all(hasattr(m, a) for a in DOUBLE_ATTRS) and hasattr(m, "_forward"):
+    """ "double", "single" or None, by attributes and by the signature of the class's `_forward` (sd-scripts'
+    classes are never imported; a block of another shape, e.g. Chroma's, is left alone)."""
+    params = _forward_params(m)
+    if all(hasattr(m, a) for a in DOUBLE_ATTRS) and params == DOUBLE_PARAMS:
         norms = (m.img_norm1, m.txt_norm1, m.img_norm2, m.txt_norm2)
         return "double" if all(_is_plain_layernorm(n) for n in norms) else None
-    if all(hasattr(m, a) for a in SINGLE_ATTRS) and hasattr(m, "_forward"):
+    if all(hasattr(m, a) for a in SINGLE_ATTRS) and params == SINGLE_PARAMS:
         return "single" if _is_plain_layernorm(m.pre_norm) else None
     return None
 
@@ -172,7 +185,7 @@ def _ops_of(model: nn.Module) -> BlockOps:
 
 def install_block_op(model: nn.Module, op: str, **opts) -> str:
     """One switch: turn on `op` (one of BLOCK_OPS) in every block. Attention options: `cache_path`, and
-    `shapes` [(B, H, L, D), ...] with `dtype` / `with_mask` to probe up front (else at first use)."""
+    `shapes` [(B, H, L, D), ...] with `dtype` / `with_mask` / `device` to probe up front (else at first use)."""
     if op not in BLOCK_OPS:
         raise ValueError(f"unknown block op {op!r}; choose from {', '.join(BLOCK_OPS)}")
     ops = _ops_of(model)
@@ -180,7 +193,7 @@ def install_block_op(model: nn.Module, op: str, **opts) -> str:
         from flux_kernels.attention import AttentionDispatch
 
         dispatch = AttentionDispatch(cache_path=opts.get("cache_path"))
-        device = next(model.parameters()).device
+        device = opts.get("device") or next(model.parameters()).device  # the GPU, even if the model is not there yet
         for shape in opts.get("shapes", ()):
             dispatch.prepare(tuple(shape), opts.get("dtype", torch.bfloat16), device, opts.get("with_mask", False))
         ops.attention = dispatch
@@ -284,7 +297,9 @@ def apply_kernels(
     against sd-scripts' own forward; if they differ, the block patches are undone and then, for kernels the
     user named, KernelError is raised, while for `auto` one warning says so and training goes on without them.
     `compile_blocks` is installed last, so what it compiles includes the other patches."""
-    options = options or {}
+    options = {name: dict(o) for name, o in (options or {}).items()}
+    if getattr(selection, "device", None) is not None:  # probe attention where training runs, not where the model is
+        options.setdefault("attention", {}).setdefault("device", selection.device.torch_device)
     specs = list(selection.specs)
     block_specs = [s for s in specs if s.name in BLOCK_OPS]
     lines = [s.install(flux_model, **options.get(s.name, {})) for s in block_specs]

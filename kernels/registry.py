@@ -272,12 +272,15 @@ REGISTRY: dict[str, KernelSpec] = {
 
 def _requested_names(requested: str | Iterable[str] | None, registry: Mapping[str, KernelSpec]) -> list[str] | None:
     """None for auto; a list of names otherwise ("off" and "" give [])."""
-    if requested is None or requested == "auto":
-        return None
     if isinstance(requested, str):
-        if requested.strip().lower() in ("off", "none", ""):
+        word = requested.strip().lower()
+        if word == "auto":
+            return None
+        if word in ("off", "none", ""):
             return []
         requested = [n for n in requested.replace(" ", "").split(",") if n]
+    if requested is None:
+        return None
     names = list(dict.fromkeys(requested))
     unknown = [n for n in names if n not in registry]
     if unknown:

@@ -126,6 +126,7 @@ def test_dispatch_probes_once_per_shape_and_uses_the_choice(tmp_path):
     out = dispatch(q, k, v, None)
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
     assert dispatch.choice == {(SHAPE, SHAPE[2], torch.float32, torch.device("cpu"), False): "counting"}
+    assert dispatch.by_kind == {(torch.float32, False): "counting"}  # what traced (compiled) code uses
     n = len(calls)
     dispatch(q, k, v, None)
     assert len(calls) == n + 1  # no second probe

@@ -177,10 +177,69 @@ def test_patched_block_traces_without_graph_breaks(dev, fm):
     import torch._dynamo
 
     model = _model(fm, torch.float32).to(dev)
-    patch.apply_kernels(model, unchecked(["qk_norm_rope", "modulate", "gated_residual"]), verify=False)
+    patch.apply_kernels(model, unchecked(["qk_norm_rope", "modulate", "gated_residual", "attention"]), verify=False)
     block = model.single_blocks[0].train()
     block.enable_gradient_checkpointing()
     args = patch._verify_inputs(block, "single", dev, torch.float32, True)
     explained = torch._dynamo.explain(block.forward)(*args)
     assert explained.graph_break_count == 0, explained.break_reasons
+    assert block._flux_kernels.attention.choice == {}  # tracing never probes
     torch._dynamo.reset()
+
+
+AOT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flux_kernels import tl_modulate as tm
+from flux_kernels import tl_qk_norm_rope as tq
+
+F32 = {"pe_ptr", "mean_ptr", "rstd_ptr", "dqw_ptr", "dkw_ptr", "dsc_part_ptr", "dsh_part_ptr", "dg_part_ptr"}
+
+
+def sig(fn, consts):
+    def ty(n):
+        if n in consts:
+            return "constexpr"
+        if n.endswith("_ptr"):
+            return "*fp32" if n in F32 else "*bf16"
+        return "fp32" if n == "eps" else "i32"
+
+    return {n: ty(n) for n in fn.arg_names}
+
+
+qk = dict(D=128, HALF=64, BLOCK_H=32, BLOCK_J=64, RTNE=False)
+row = dict(BLOCK_C=4096, RTNE=False)
+cases = [
+    (tq.qk_norm_rope_fwd, qk),
+    (tq.qk_norm_rope_bwd, {**qk, "COMPUTE_DW": True}),
+    (tm.modulate_fwd, row),
+    (tm.modulate_bwd, {**row, "COMPUTE_DSS": True}),
+    (tm.gated_fwd, row),
+    (tm.gated_bwd, {**row, "COMPUTE_DGATE": True}),
+]
+for cap in map(int, sys.argv[1:]):
+    for fn, consts in cases:
+        target = GPUTarget("cuda", cap, 32)
+        triton.compile(ASTSource(fn, sig(fn, consts), consts), target=target, options={"num_warps": 8})
+"""
+
+
+def test_kernels_compile_to_cubin_for_hopper_and_blackwell_without_a_gpu(tmp_path):
+    """The interpreter does not run Triton's compiler; this does (front end, LLVM, the wheel's ptxas), so a kernel
+    that would fail to compile on a GPU fails here, before anyone borrows one."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel has no CUDA backend/ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AOT, "90", "120"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
