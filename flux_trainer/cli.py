@@ -21,7 +21,7 @@ from pathlib import Path
 
 from flux_trainer.config import ConfigError
 
-SUBCOMMANDS = ("dataset", "demo", "setup", "runs", "doctor")
+SUBCOMMANDS = ("dataset", "demo", "setup", "runs", "doctor", "bench")
 _exit_code = 0
 
 
