@@ -83,6 +83,7 @@ class Prepared:
     env: dict[str, str]
     checkout: sd_checkout.Checkout | None
     random_preset: str | None
+    env_lines: list[str]
 
 
 def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = None, info=None) -> Prepared:
@@ -164,7 +165,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
     env = {**os.environ, **profile.env}
-    return Prepared(run_dir, cmd, env, checkout, random_preset)
+    return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile))
 
 
 class FinishedRun(Exception):
@@ -211,6 +212,7 @@ def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = No
             pass
         return 0
     say(f"run dir: {prepared.run_dir}")
+    say("environment (env.json): " + "; ".join(prepared.env_lines))
     if cfg.dry_run:
         say("dry_run=true: wrote config.yaml, sd_scripts.toml, dataset.toml, command.txt; not launching")
         say(f"would run: {shlex.join(prepared.command)}")

@@ -32,9 +32,20 @@ def dispatch(argv: list[str]) -> int:
     setup.add_argument("--models", action="store_true", help="also download the model files the config names")
     setup.add_argument("overrides", nargs="*", help="Hydra overrides naming the model, e.g. model=flux_schnell")
 
+    sub.add_parser("bench", help="measure s/step and memory on the random full-size model", add_help=False)
+    sub.add_parser("doctor", help="check this machine's GPU, PyTorch, sd-scripts and model files", add_help=False)
+
     runs = sub.add_parser("runs", help="list runs with steps, last loss, median s/step, peak VRAM")
     runs.add_argument("root", nargs="?", default="runs", type=Path)
 
+    if argv[0] == "bench":
+        from flux_trainer.bench import bench_main
+
+        return bench_main(argv[1:])
+    if argv[0] == "doctor":
+        from flux_trainer.doctor import doctor_main
+
+        return doctor_main(argv[1:])
     ns = ap.parse_args(argv)
     if ns.command == "dataset":
         return dataset_init(ns)

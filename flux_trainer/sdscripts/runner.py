@@ -23,6 +23,7 @@ log = logging.getLogger("flux_trainer.runner")
 RUNNER_SPEC = "runner.json"
 EXIT_FILE = "runner_exit.json"  # accelerate launch turns every child failure into 1; the real code is kept here
 EXIT_NONFINITE_LOSS = 3
+VRAM_CAP_ENV = "FLUX_TRAIN_VRAM_CAP_GIB"  # set by `flux-train bench --vram-cap`
 
 
 @dataclass
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    apply_vram_cap(os.environ.get(VRAM_CAP_ENV))
     from flux_trainer.sdscripts.hooks import NonFiniteLoss
 
     code, reason = 1, "crashed"
@@ -130,6 +132,22 @@ def main(argv: list[str] | None = None) -> int:
         if _is_main_process():
             (ns.run_dir / EXIT_FILE).write_text(json.dumps({"code": code, "reason": reason}) + "\n")
     return code
+
+
+def apply_vram_cap(cap_gib: str | None) -> None:
+    """`flux-train bench --vram-cap GB`: this process may use at most that much device memory, so a large card
+    proves what fits a small one (PyTorch's per-process memory fraction; the CUDA context is outside it)."""
+    if not cap_gib:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    index = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = min(1.0, float(cap_gib) * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    log.info("VRAM cap: %.1f GiB of %.1f GiB (fraction %.4f)", float(cap_gib), total / 2**30, fraction)
 
 
 def _is_main_process() -> bool:

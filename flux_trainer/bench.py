@@ -1,0 +1,277 @@
+"""`flux-train bench`: real sd-scripts training steps on the random full-size FLUX, through the same launcher
+and runner as training, for several presets / kernel sets / resolutions; a table and JSON.
+
+    flux-train bench --cases memory=vram80 memory=vram48 --kernels off auto --steps 20 --baseline
+    flux-train bench --cases memory=vram24 --vram-cap 24      # prove a 24 GB card's preset on a bigger card
+
+Step time is measured the same way for flux-train and for plain sd-scripts (`--baseline`): the wall time
+between successive `loss/current` TensorBoard events, which sd-scripts writes once per optimizer step after
+`loss.item()` has synchronised the device. Peak memory: torch's peak allocated (our `vram/peak_gib` tag) and
+the peak NVML reading of the whole card, polled while the run lasts (plain sd-scripts has only the latter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from flux_trainer.config.paths import cache_root
+from flux_trainer.sdscripts.runner import VRAM_CAP_ENV
+
+
+@dataclass
+class BenchResult:
+    case: str
+    overrides: list[str]
+    exit_code: int
+    steps: int = 0
+    s_per_step: float | None = None
+    s_min: float | None = None
+    s_max: float | None = None
+    torch_peak_gib: float | None = None
+    card_peak_gib: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    first_step_s: float | None = None
+    run_dir: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class CardMemoryPoller:
+    """Peak used memory of the whole card (NVML), sampled every 0.25 s on a thread; None without NVML."""
+
+    def __init__(self, index: int = 0, period_s: float = 0.25) -> None:
+        self.peak_bytes: int | None = None
+        self._stop = threading.Event()
+        self._period = period_s
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:  # noqa: BLE001 - no NVML, no card: no reading
+            self._nvml = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
+            self.peak_bytes = max(self.peak_bytes or 0, used)
+            self._stop.wait(self._period)
+
+    def __enter__(self) -> CardMemoryPoller:
+        if self._nvml is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+    @property
+    def peak_gib(self) -> float | None:
+        return None if self.peak_bytes is None else self.peak_bytes / 2**30
+
+
+def step_stats(tb_dir: Path, warmup: int) -> dict:
+    """s/step (median, min, max after `warmup` steps) from loss event wall times, plus our own tags if present."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    wall: dict[int, float] = {}
+    tags: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted(Path(tb_dir).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+        acc.Reload()
+        scalars = acc.Tags().get("scalars", [])
+        if "loss/current" in scalars:
+            wall.update({e.step: e.wall_time for e in acc.Scalars("loss/current")})
+        for tag in ("vram/peak_gib", "throughput/tflops", "throughput/mfu"):
+            if tag in scalars:
+                tags.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    steps = sorted(wall)
+    deltas = [wall[b] - wall[a] for a, b in zip(steps, steps[1:], strict=False) if a >= warmup]
+    out: dict = {"steps": len(steps), "first_wall": wall[steps[0]] if steps else None}
+    if deltas:
+        out.update(s_per_step=statistics.median(deltas), s_min=min(deltas), s_max=max(deltas))
+    if tags.get("vram/peak_gib"):
+        out["torch_peak_gib"] = max(v for _, v in tags["vram/peak_gib"])
+    for tag, key in (("throughput/tflops", "tflops"), ("throughput/mfu", "mfu")):
+        late = [v for s, v in tags.get(tag, []) if s > warmup]
+        if late:
+            out[key] = statistics.median(late)
+    return out
+
+
+def bench_dataset(resolution: int) -> tuple[Path, str]:
+    """4 generated captioned images at the resolution, and a dataset config naming them."""
+    from flux_trainer.datasets import write_dataset_config
+    from flux_trainer.demo import make_demo_dataset
+
+    root = cache_root() / "bench"
+    images = make_demo_dataset(root / f"images-{resolution}", n=4, size=resolution)
+    name = f"bench{resolution}"
+    write_dataset_config(root / "configs", name, images, resolution=resolution, repeats=10, force=True)
+    return root / "configs", name
+
+
+def cases(presets: list[str], kernels: list[str], resolutions: list[int]) -> list[tuple[str, list[str], int]]:
+    out = []
+    for preset, kernel, res in itertools.product(presets, kernels, resolutions):
+        extra = preset.split("+") if preset else []
+        name = "_".join([*(e.split("=")[-1] for e in extra), f"k-{kernel}", str(res)])
+        out.append((name, [*extra, f"kernels={kernel}"], res))
+    return out
+
+
+def run_case(name: str, overrides: list[str], res: int, ns: argparse.Namespace, root: Path) -> BenchResult:
+    from flux_trainer.cli import run_training
+    from flux_trainer.config.paths import user_config_dirs
+
+    configs, dataset = bench_dataset(res)
+    full = [
+        f"+dataset={dataset}",
+        f"model={ns.model}",
+        "optimizer=adamw",
+        f"train.max_steps={ns.warmup + ns.steps}",
+        "train.save_every_n_steps=null",
+        "train.save_state=false",
+        f"logging.root={root}",
+        f"train.output_name={name}",
+        *overrides,
+        *ns.overrides,
+    ]
+    t0 = time.time()
+    with CardMemoryPoller() as poller:
+        code = run_training(full, [*user_config_dirs(), configs])
+    runs = sorted((root / name).glob("*/"))
+    result = BenchResult(case=name, overrides=full, exit_code=code, card_peak_gib=poller.peak_gib)
+    if runs:
+        result.run_dir = str(runs[-1])
+        stats = step_stats(runs[-1] / "tb", ns.warmup)
+        first = stats.pop("first_wall", None)
+        result.first_step_s = None if first is None else first - t0
+        for key, value in stats.items():
+            setattr(result, key, value)
+    return result
+
+
+def run_baseline(ours: BenchResult, ns: argparse.Namespace) -> BenchResult:
+    """Plain sd-scripts on our run's own TOMLs: its flux_train_network.py, none of our runner or hooks."""
+    from flux_trainer.launch.supervise import run_supervised
+    from flux_trainer.sdscripts.runner import RunnerSpec
+
+    run_dir = Path(ours.run_dir)
+    spec = RunnerSpec.read(run_dir)
+    out = run_dir / "baseline"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(run_dir / "accelerate.yaml"),
+        "--quiet",
+        str(Path(spec.sd_scripts) / "flux_train_network.py"),
+        "--config_file",
+        spec.train_toml,
+        "--dataset_config",
+        spec.dataset_toml,
+        "--output_dir",
+        str(out),
+        "--logging_dir",
+        str(out / "tb"),
+    ]
+    env = {**os.environ, **json.loads((run_dir / "env.json").read_text()).get("env", {})}
+    env.pop(VRAM_CAP_ENV, None)
+    t0 = time.time()
+    with CardMemoryPoller() as poller:
+        code = run_supervised(cmd, env, out / "train.log")
+    result = BenchResult(
+        case=f"{ours.case} (plain sd-scripts)",
+        overrides=cmd,
+        exit_code=code,
+        card_peak_gib=poller.peak_gib,
+        run_dir=str(out),
+    )
+    stats = step_stats(out / "tb", ns.warmup)
+    first = stats.pop("first_wall", None)
+    result.first_step_s = None if first is None else first - t0
+    for key, value in stats.items():
+        setattr(result, key, value)
+    return result
+
+
+def table(results: list[BenchResult]) -> str:
+    def f(v, spec=".3f"):
+        return "-" if v is None else format(v, spec)
+
+    head = (
+        f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'torch pk':>8} {'card pk':>8} "
+        f"{'TFLOP/s':>7} {'MFU':>5} {'1st step':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        rng = f"{f(r.s_min)}-{f(r.s_max)}" if r.s_min is not None else "-"
+        lines.append(
+            f"{r.case[:36]:<36} {r.exit_code:>4} {f(r.s_per_step):>7} {rng:>13} {f(r.torch_peak_gib, '.1f'):>8} "
+            f"{f(r.card_peak_gib, '.1f'):>8} {f(r.tflops, '.0f'):>7} {f(r.mfu, '.2f'):>5} {f(r.first_step_s, '.0f'):>8}"
+        )
+    return "\n".join(lines)
+
+
+def bench_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="flux-train bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--cases",
+        nargs="+",
+        default=["memory=vram80"],
+        help="override sets, '+' joins several: memory=vram48 memory=vram24+precision=fp8_base",
+    )
+    ap.add_argument("--kernels", nargs="+", default=["off"], help="kernel sets: off auto ...")
+    ap.add_argument("--resolution", nargs="+", type=int, default=[1024])
+    ap.add_argument("--model", default="random", help="random (full size, default) or random_tiny")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20, help="measured steps after the warm-up")
+    ap.add_argument("--baseline", action="store_true", help="also run plain sd-scripts on each case's TOMLs")
+    ap.add_argument("--vram-cap", type=float, help="limit the training process to this many GiB of device memory")
+    ap.add_argument("--root", type=Path, default=Path("runs") / "bench", help="where the bench runs go")
+    ap.add_argument("--json", type=Path, help="write the results here (default <root>/bench-<time>.json)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every case")
+    ns = ap.parse_args(argv)
+    if ns.vram_cap:
+        os.environ[VRAM_CAP_ENV] = str(ns.vram_cap)
+    root = ns.root.resolve()
+    results = []
+    for name, overrides, res in cases(ns.cases, ns.kernels, ns.resolution):
+        print(f"[flux-train bench] {name}: {' '.join(overrides)} at {res}px", flush=True)
+        results.append(run_case(name, overrides, res, ns, root))
+        if ns.baseline and results[-1].run_dir:
+            results.append(run_baseline(results[-1], ns))
+        print(table(results[-2 if ns.baseline else -1 :]), flush=True)
+    text = table(results)
+    print("\n" + text)
+    out = ns.json or root / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "vram_cap_gib": ns.vram_cap,
+                "warmup": ns.warmup,
+                "steps": ns.steps,
+                "results": [asdict(r) for r in results],
+            },
+            indent=1,
+        )
+    )
+    print(f"wrote {out}")
+    return 0 if all(r.exit_code == 0 for r in results) else 1
