@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from flux_trainer.config import ConfigError
@@ -58,45 +62,247 @@ def setup_sd_scripts(dest: Path | None = None, configured: str | None = None) ->
     return dest
 
 
-def download_models(cfg) -> dict[str, Path]:
-    """Each model file the config names, from its hub repo into the configured path (resumable)."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+PARTS = ("flux", "ae", "clip_l", "t5xxl")
+# Beside each target, so the finished file is renamed into place (never copied) and a partial download
+# survives for the next run to resume. The hub client's own bookkeeping (.cache/huggingface, the
+# `.incomplete` file, repo subfolders) stays in here and is removed once the file is in place.
+STAGING_DIR = ".flux-train-download"
 
-    got = {}
-    for part in ("flux", "ae", "clip_l", "t5xxl"):
-        target = Path(str(cfg.model[part])).expanduser()
-        hub = cfg.model.hub.get(part)
+
+class DownloadError(ConfigError):
+    """The network or the hub failed, not the user's input: exit code 1, still one line."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    part: str
+    target: Path
+    repo_id: str
+    filename: str
+
+    @property
+    def staging(self) -> Path:
+        return self.target.parent / STAGING_DIR / self.target.name
+
+
+def plan_downloads(cfg) -> tuple[list[ModelFile], dict[str, Path]]:
+    """What to fetch and what is already there; every config problem found at once, before any request."""
+    if cfg.model.get("random_preset"):
+        raise ConfigError(
+            f"model={cfg.model.name} is random weights generated at run time; nothing to download "
+            "(for real weights: model=flux_dev or model=flux_schnell)"
+        )
+    todo, present, problems = [], {}, []
+    claimed: dict[Path, ModelFile] = {}
+    for part in PARTS:
+        target = Path(str(cfg.model[part])).expanduser().absolute()
         if target.is_file():
-            print(f"{part}: {target} present")
-            got[part] = target
+            present[part] = target
             continue
-        if not hub or not hub.repo_id:
-            raise ConfigError(f"model.{part}: {target} is missing and model.hub.{part} names no repository")
-        print(f"{part}: {hub.repo_id}/{hub.filename} -> {target}")
+        hub = cfg.model.hub.get(part)
+        if not hub or not hub.repo_id or not hub.filename:
+            problems.append(
+                f"model.{part}: {target} is missing and model.hub.{part} names no repository and file; "
+                f"set model.hub.{part}.repo_id=OWNER/NAME model.hub.{part}.filename=FILE, or put the file there"
+            )
+            continue
+        wanted = ModelFile(part, target, hub.repo_id, hub.filename)
+        other = claimed.get(target)
+        if other is None:
+            claimed[target] = wanted
+            todo.append(wanted)
+        elif (other.repo_id, other.filename) != (wanted.repo_id, wanted.filename):
+            problems.append(
+                f"model.{part} and model.{other.part} are both {target} but name different hub files "
+                f"({wanted.repo_id}/{wanted.filename}, {other.repo_id}/{other.filename}); give each its own path"
+            )
+    if problems:
+        raise ConfigError(problems)
+    return todo, present
+
+
+def download_models(cfg) -> dict[str, Path]:
+    """Each model file the config names, from its hub repository to exactly the configured path.
+
+    Through `hf_hub_download` with the user's own hub login (HF_TOKEN or the saved token) and the hub's
+    progress bar. A broken-off download resumes from its `.incomplete` file on the next run (an HTTP
+    Range request; for repos on the hub's Xet storage, hf_xet's chunk cache does that job instead).
+    A repository that fails (gated, not found) is reported and the other files are still fetched; a
+    network failure stops at once. Either way every problem is raised together, one line each.
+    """
+    todo, present = plan_downloads(cfg)
+    for part, target in present.items():
+        print(f"{part}: {target} present, skipped")
+    problems: list[str] = []
+    failed_repos: set[str] = set()
+    for f in todo:
+        if f.repo_id in failed_repos:
+            continue
         try:
-            path = hf_hub_download(repo_id=hub.repo_id, filename=hub.filename, local_dir=target.parent)
-        except GatedRepoError as exc:
-            raise ConfigError(
-                f"{hub.repo_id} is gated: accept its licence on its hub page while logged in, then "
-                f"`huggingface-cli login` here. The hub said: {str(exc).splitlines()[0]}"
-            ) from exc
-        except RepositoryNotFoundError as exc:
-            raise ConfigError(f"{hub.repo_id}: not found or not visible to your hub login ({exc})") from exc
-        path = Path(path)
-        if path.resolve() != target.resolve():
-            path.replace(target)
-        got[part] = target
-    return got
+            download_one(f)
+        except DownloadError as exc:
+            raise DownloadError([*problems, *exc.problems]) from exc
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            if repo_wide(exc.__cause__):
+                failed_repos.add(f.repo_id)  # its other files would fail the same way
+    if problems:
+        raise ConfigError(problems)
+    return {part: Path(str(cfg.model[part])).expanduser().absolute() for part in PARTS}
+
+
+def download_one(f: ModelFile) -> Path:
+    from huggingface_hub import constants, hf_hub_download
+
+    print(f"{f.part}: {f.repo_id}/{f.filename} -> {f.target}", flush=True)
+    partial = partial_bytes(f.staging)
+    if partial:
+        note = " (HF_HUB_ENABLE_HF_TRANSFER is set: the hub client restarts it from zero)"
+        print(
+            f"{f.part}: resuming, {human(partial)} already here" + (note if constants.HF_HUB_ENABLE_HF_TRANSFER else "")
+        )
+    try:
+        fetched = Path(hf_hub_download(repo_id=f.repo_id, filename=f.filename, local_dir=f.staging))
+    except KeyboardInterrupt:
+        print(f"{f.part}: interrupted; run the same command again to resume", file=sys.stderr)
+        raise
+    except Exception as exc:
+        error = explain_hub_error(exc, f)
+        if error is None:
+            raise
+        raise error from exc
+    fetched.replace(f.target)  # same folder tree, so a rename: the target only ever appears complete
+    shutil.rmtree(f.staging, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        f.staging.parent.rmdir()  # only when no other file is still part-way
+    return f.target
+
+
+def explain_hub_error(exc: BaseException, f: ModelFile) -> ConfigError | None:
+    """One line naming what failed and what to do, for what `hf_hub_download` raises; None: not ours to explain."""
+    import requests
+    from huggingface_hub import constants, get_token
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        FileMetadataError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    what = f"{f.part}: {f.repo_id}/{f.filename}"
+    page = f"{constants.ENDPOINT}/{f.repo_id}"
+    login = "`hf auth login` (or `huggingface-cli login`, or set HF_TOKEN)"
+    if isinstance(exc, GatedRepoError):
+        said = one_line(exc.server_message or str(exc).splitlines()[-1])
+        if get_token() is None:
+            return ConfigError(
+                f"{f.repo_id} is gated and you are not logged in to the hub: accept its licence at {page} while "
+                f"logged in, then log in here with {login} and run this again. The hub said: {said}"
+            )
+        return ConfigError(
+            f"{f.repo_id} is gated and your hub login has no access to it: accept its licence at {page} with that "
+            f"account (or log in with one that has, {login}) and run this again. The hub said: {said}"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return ConfigError(
+            f"model.hub.{f.part}.repo_id={f.repo_id}: no such repository on {constants.ENDPOINT}, or it is private "
+            f"and your hub login cannot see it; check the name, or log in with {login}"
+        )
+    if isinstance(exc, LocalEntryNotFoundError):  # the first request failed, before any byte moved
+        cause = exc.__cause__
+        if constants.HF_HUB_OFFLINE:
+            return DownloadError(f"{what}: HF_HUB_OFFLINE is set; unset it to download, or put the file at {f.target}")
+        if isinstance(cause, HfHubHTTPError) and cause.response is not None:
+            return DownloadError(
+                f"{what}: the hub at {constants.ENDPOINT} answered {cause.response.status_code}; "
+                "try again later (its status page says whether it is down)"
+            )
+        if isinstance(cause, FileMetadataError):
+            return DownloadError(
+                f"{what}: {constants.ENDPOINT} does not answer like the hub ({one_line(str(cause))}); "
+                "check HF_ENDPOINT and any proxy in between"
+            )
+        return DownloadError(
+            f"{what}: cannot reach the hub at {constants.ENDPOINT} ({reason(cause)}); check the network, "
+            f"HTTPS_PROXY or HF_ENDPOINT and run this again, or put the file at {f.target} yourself"
+        )
+    if isinstance(exc, EntryNotFoundError):
+        return ConfigError(f"model.hub.{f.part}.filename={f.filename}: {f.repo_id} has no such file (see {page})")
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        status = exc.response.status_code
+        if status == 401:
+            return ConfigError(f"{what}: the hub refused your token (401); log in again with {login}")
+        return DownloadError(f"{what}: the hub answered {status} {saved(f)}; run the same command again to resume")
+    if isinstance(exc, requests.RequestException):
+        return DownloadError(
+            f"{what}: the download broke off ({reason(exc)}) {saved(f)}; run the same command again to resume"
+        )
+    if isinstance(exc, OSError) and "Consistency check failed" in str(exc):
+        shutil.rmtree(f.staging, ignore_errors=True)
+        return DownloadError(
+            f"{what}: the file arrived with the wrong size, so the partial download was removed; run this again"
+        )
+    return None
+
+
+def repo_wide(exc: BaseException | None) -> bool:
+    """Gated, missing or refused: true of every file in that repository."""
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
+
+    if isinstance(exc, RepositoryNotFoundError):
+        return True
+    return (
+        isinstance(exc, HfHubHTTPError)
+        and not isinstance(exc, EntryNotFoundError)
+        and exc.response is not None
+        and exc.response.status_code in (401, 403)
+    )
+
+
+def partial_bytes(staging: Path) -> int:
+    """Bytes of a broken-off download the hub client will resume from (its `.incomplete` file)."""
+    return max((p.stat().st_size for p in staging.rglob("*.incomplete")), default=0) if staging.is_dir() else 0
+
+
+def saved(f: ModelFile) -> str:
+    n = partial_bytes(f.staging)
+    return f"with {human(n)} saved" if n else "before any byte was saved"
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def reason(exc: BaseException | None) -> str:
+    """The useful end of a requests error chain: "Connection refused", not three lines of pool internals."""
+    if exc is None:
+        return "no answer"
+    text = str(exc)
+    m = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text) or re.search(r"(Read timed out|IncompleteRead\([^)]*\))", text)
+    return one_line(m.group(1)) if m else type(exc).__name__
 
 
 def setup(models: bool = False, overrides: list[str] | None = None) -> int:
-    setup_sd_scripts()
+    """sd-scripts, and with `models` the model files the composed config names."""
     if models:
         from flux_trainer.config.compose import compose_run
 
         cfg = compose_run(list(overrides or []))
-        if cfg.model.get("random_preset"):
-            raise ConfigError(f"model={cfg.model.name} is generated at run time; nothing to download")
-        download_models(cfg)
+        plan_downloads(cfg)  # bad model config or a random preset: fail before cloning anything
+    setup_sd_scripts()
+    if models:
+        got = download_models(cfg)
+        print("models ready: " + ", ".join(f"{part}={path}" for part, path in got.items()))
     return 0

@@ -13,3 +13,33 @@ def cast(x, dtype: tl.constexpr, RTNE: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+def _std_lib_compiled_only() -> bool:
+    """triton.language's own @jit helpers (tl.sum, tl.zeros) are decorated when triton is first imported. If that
+    happened before TRITON_INTERPRET was set (another test or library in the same process), they are compiled-only
+    and the interpreter cannot call them."""
+    from flux_kernels.device import triton_interpreting
+    from triton.runtime.jit import JITFunction
+
+    return triton_interpreting() and isinstance(tl.sum, JITFunction)
+
+
+if _std_lib_compiled_only():
+
+    @triton.jit
+    def total(x, axis: tl.constexpr):
+        """`tl.sum` from the core `tl.reduce` (slow under the interpreter, but callable there)."""
+        return tl.reduce(x, axis, _add)
+
+else:
+
+    @triton.jit
+    def total(x, axis: tl.constexpr):
+        """`tl.sum` (the fp32 tiles here need no dtype promotion)."""
+        return tl.sum(x, axis=axis)

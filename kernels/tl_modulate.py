@@ -15,7 +15,7 @@ are summed by torch afterwards (Liger-Kernel's RMSNorm does the same for its wei
 
 import triton
 import triton.language as tl
-from flux_kernels.tl_common import cast
+from flux_kernels.tl_common import cast, total
 
 
 @triton.jit
@@ -29,9 +29,9 @@ def modulate_fwd(
     offs = tl.arange(0, BLOCK_C)
     m = offs < C
     x = tl.load(x_ptr + b * sx_b + tok * sx_l + offs, mask=m, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / C
+    mean = total(x, 0) / C
     xc = tl.where(m, x - mean, 0.0)
-    rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / C + eps)
+    rstd = tl.rsqrt(total(xc * xc, 0) / C + eps)
     sh = tl.load(shift_ptr + b * ssh_b + offs, mask=m, other=0.0).to(tl.float32)
     sc = tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
     y = (1.0 + sc) * (xc * rstd) + sh
@@ -52,8 +52,8 @@ def modulate_bwd(
     offs = tl.arange(0, BLOCK_C)
     m = offs < C
     sc1 = 1.0 + tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
-    acc_sc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc_sh = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc_sc = tl.full([BLOCK_C], 0.0, tl.float32)
+    acc_sh = tl.full([BLOCK_C], 0.0, tl.float32)
     for i in range(0, rows_per_prog):  # rows past L are masked out (a fixed trip count, no data-dependent bounds)
         tok = pid * rows_per_prog + i
         valid = tok < L
@@ -64,8 +64,8 @@ def modulate_bwd(
         rstd = tl.load(rstd_ptr + b * L + tok, mask=valid, other=0.0)
         xn = tl.where(mv, (x - mean) * rstd, 0.0)
         g = dy * sc1
-        mg = tl.sum(g, axis=0) / C
-        mgx = tl.sum(g * xn, axis=0) / C
+        mg = total(g, 0) / C
+        mgx = total(g * xn, 0) / C
         dx = rstd * (g - mg - xn * mgx)
         tl.store(dx_ptr + b * sdx_b + tok * sdx_l + offs, cast(dx, dx_ptr.dtype.element_ty, RTNE), mask=mv)
         if COMPUTE_DSS:
@@ -105,7 +105,7 @@ def gated_bwd(
     offs = tl.arange(0, BLOCK_C)
     m = offs < C
     g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc = tl.full([BLOCK_C], 0.0, tl.float32)
     for i in range(0, rows_per_prog):
         tok = pid * rows_per_prog + i
         mv = m & (tok < L)

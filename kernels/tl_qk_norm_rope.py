@@ -13,7 +13,7 @@ The rounding between norm and rope is treated as identity, as autograd does for 
 
 import triton
 import triton.language as tl
-from flux_kernels.tl_common import cast
+from flux_kernels.tl_common import cast, total
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _fwd_tile(
     ptr = x_row + offs_h[:, None] * s_h + 2 * offs_j[None, :]
     xe = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     xo = tl.load(ptr + 1, mask=mask, other=0.0).to(tl.float32)
-    rrms = tl.rsqrt((tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D + eps)[:, None]
+    rrms = tl.rsqrt((total(xe * xe, 1) + total(xo * xo, 1)) / D + eps)[:, None]
     we = tl.load(w_ptr + 2 * offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
     wo = tl.load(w_ptr + 2 * offs_j + 1, mask=mask_j, other=0.0).to(tl.float32)[None, :]
     out_ty = o_row.dtype.element_ty
@@ -78,7 +78,7 @@ def _bwd_tile(
     ptr = x_row + offs_h[:, None] * s_h + 2 * offs_j[None, :]
     xe = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     xo = tl.load(ptr + 1, mask=mask, other=0.0).to(tl.float32)
-    rrms = tl.rsqrt((tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D + eps)[:, None]
+    rrms = tl.rsqrt((total(xe * xe, 1) + total(xo * xo, 1)) / D + eps)[:, None]
     dptr = do_row + offs_h[:, None] * sdo_h + 2 * offs_j[None, :]
     de = tl.load(dptr, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(dptr + 1, mask=mask, other=0.0).to(tl.float32)
@@ -88,15 +88,15 @@ def _bwd_tile(
     wo = tl.load(w_ptr + 2 * offs_j + 1, mask=mask_j, other=0.0).to(tl.float32)[None, :]
     ge = dye * we
     go = dyo * wo
-    c = ((tl.sum(ge * xe, axis=1) + tl.sum(go * xo, axis=1)) / D)[:, None]
+    c = ((total(ge * xe, 1) + total(go * xo, 1)) / D)[:, None]
     r3 = rrms * rrms * rrms
     out_ty = dx_row.dtype.element_ty
     xptr = dx_row + offs_h[:, None] * sdx_h + 2 * offs_j[None, :]
     tl.store(xptr, cast(rrms * ge - xe * r3 * c, out_ty, RTNE), mask=mask)
     tl.store(xptr + 1, cast(rrms * go - xo * r3 * c, out_ty, RTNE), mask=mask)
     if COMPUTE_DW:
-        tl.store(dw_row + 2 * offs_j, tl.sum(dye * xe * rrms, axis=0), mask=mask_j)
-        tl.store(dw_row + 2 * offs_j + 1, tl.sum(dyo * xo * rrms, axis=0), mask=mask_j)
+        tl.store(dw_row + 2 * offs_j, total(dye * xe * rrms, 0), mask=mask_j)
+        tl.store(dw_row + 2 * offs_j + 1, total(dyo * xo * rrms, 0), mask=mask_j)
 
 
 @triton.jit

@@ -243,3 +243,25 @@ def test_kernels_compile_to_cubin_for_hopper_and_blackwell_without_a_gpu(tmp_pat
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", AOT, "90", "120"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_interpreter_works_when_triton_was_imported_before_it_was_switched_on():
+    """In one pytest process something else may import triton first; the kernels avoid triton.language's own
+    @jit helpers (tl.sum, tl.zeros), which would then be compiled-only and crash the interpreter."""
+    if importlib.util.find_spec("triton") is None or torch.cuda.is_available():
+        pytest.skip("needs triton and no GPU (the interpreter path)")
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, triton.language\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from flux_kernels.registry import REGISTRY, probe\n"
+        "for name in ('modulate', 'gated_residual'):  # qk_norm_rope uses the same helpers, slowly\n"
+        "    r = probe(REGISTRY[name], 'cpu')\n"
+        "    assert r.ok, (name, r.reason)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
