@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# `flux-train bench` on the lent GPU machine (../shared/GPU.md), one call: install the carried wheels, generate
+# the random full-size model, run the bench with the given arguments, dump every TensorBoard tag of the runs.
+# carry: .whl (../shared/gpu/wheels.sh) and .gpu/sd-scripts.   Usage: bash scripts/gpu_bench.sh BENCH_ARGS...
+set -euo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+REPO=$PWD
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING || true
+export PYTHONPATH=/tmp/site:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=/tmp/ftcache
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
+cd /tmp
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "
+from pathlib import Path
+from flux_trainer.sdscripts.random_model import ensure_random_model
+ensure_random_model(Path('/tmp/ftcache/models'), 'full', device='cuda', log=print)" | tail -2
+python3 -m flux_trainer.cli bench --root /tmp/bench --json "$OUT/bench.json" "$@" > "$OUT/bench.log" 2>&1 || echo "bench exit $?"
+grep -A40 "^case" "$OUT/bench.log" | tail -20
+python3 - <<'PY' > "$OUT/tags.txt"
+import glob, os
+from flux_trainer.metrics.tensorboard import read_scalars, read_texts
+for d in sorted({os.path.dirname(p) for p in glob.glob("/tmp/bench/*/*/tb/**/events.out.tfevents.*", recursive=True)}):
+    s, t = read_scalars(d), read_texts(d)
+    print(d)
+    for tag in sorted(s):
+        vals = [v for _, v in s[tag]]
+        print(f"  {tag:<28} n={len(vals):<3} first={vals[0]:.4g} last={vals[-1]:.4g} max={max(vals):.4g}")
+    for k, v in sorted(t.items()):
+        print(f"  text {k}: {v[:160]!r}")
+PY
+head -60 "$OUT/tags.txt"
