@@ -209,6 +209,18 @@ def run_baseline(ours: BenchResult, ns: argparse.Namespace) -> BenchResult:
     return result
 
 
+def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
+    """The cap for one case: a number, or with 'tier' the NN of its memory=vramNN override."""
+    if not vram_cap:
+        return None
+    if vram_cap != "tier":
+        return float(vram_cap)
+    for o in overrides:
+        if o.startswith("memory=vram"):
+            return float(o.removeprefix("memory=vram"))
+    return None
+
+
 def table(results: list[BenchResult]) -> str:
     def f(v, spec=".3f"):
         return "-" if v is None else format(v, spec)
@@ -243,18 +255,23 @@ def bench_main(argv: list[str]) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="measured steps after the warm-up")
     ap.add_argument("--baseline", action="store_true", help="also run plain sd-scripts on each case's TOMLs")
-    ap.add_argument("--vram-cap", type=float, help="limit the training process to this many GiB of device memory")
+    ap.add_argument("--vram-cap", help="limit the training process to this many GiB of device memory; 'tier': each "
+                    "case's memory=vramNN tier's own NN GiB")
     ap.add_argument("--root", type=Path, default=Path("runs") / "bench", help="where the bench runs go")
     ap.add_argument("--json", type=Path, help="write the results here (default <root>/bench-<time>.json)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every case")
     ns = ap.parse_args(argv)
-    if ns.vram_cap:
-        os.environ[VRAM_CAP_ENV] = str(ns.vram_cap)
     root = ns.root.resolve()
     results = []
     for name, overrides, res in cases(ns.cases, ns.kernels, ns.resolution):
-        print(f"[flux-train bench] {name}: {' '.join(overrides)} at {res}px", flush=True)
+        cap = case_cap(ns.vram_cap, overrides)
+        if cap:
+            os.environ[VRAM_CAP_ENV] = str(cap)
+        else:
+            os.environ.pop(VRAM_CAP_ENV, None)
+        print(f"[flux-train bench] {name}: {' '.join(overrides)} at {res}px, VRAM cap {cap or 'none'}", flush=True)
         results.append(run_case(name, overrides, res, ns, root))
+        results[-1].notes.append(f"vram_cap_gib={cap}")
         if ns.baseline and results[-1].run_dir:
             results.append(run_baseline(results[-1], ns))
         print(table(results[-2 if ns.baseline else -1 :]), flush=True)

@@ -61,3 +61,11 @@ def test_cases_expand_the_product():
     name, overrides, res = got[0]
     assert overrides == ["memory=vram24", "precision=fp8_base", "kernels=off"] and res == 512
     assert name == "vram24_fp8_base_k-off_512"
+
+
+def test_case_cap():
+    from flux_trainer.bench import case_cap
+
+    assert case_cap("tier", ["memory=vram24", "precision=fp8_base"]) == 24.0
+    assert case_cap("30", ["memory=vram24"]) == 30.0
+    assert case_cap(None, ["memory=vram24"]) is None and case_cap("tier", ["memory=cpu"]) is None
