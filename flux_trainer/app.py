@@ -116,6 +116,8 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
     elif cfg.resume != "off":
         state = type("S", (), {"path": Path(cfg.resume).expanduser().resolve()})()
 
+    if not cfg.dry_run:
+        preflight_doctor(cfg, info)
     run_dir = run_dir.resolve()
     paths = RunPaths(
         run_dir=run_dir,
@@ -168,6 +170,17 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
     return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile))
 
 
+def preflight_doctor(cfg: DictConfig, info) -> None:
+    """`flux-train doctor`'s fast subset (no GPU kernels, about a second): stop on any fail, before a model loads.
+    Random presets' files are generated after this, so their model rows are not judged here."""
+    from flux_trainer.doctor import fast_checks
+
+    random = bool(cfg.model.get("random_preset"))
+    fails = [r for r in fast_checks(cfg, info) if r.status == "fail" and not (random and r.group == "models")]
+    if fails:
+        raise ConfigError([f"doctor: {r.check}: {r.evidence}; fix: {r.fix}" for r in fails])
+
+
 class FinishedRun(Exception):
     """resume=auto found the run already complete: nothing to do (exit 0)."""
 
@@ -212,6 +225,9 @@ def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = No
             pass
         return 0
     say(f"run dir: {prepared.run_dir}")
+    from flux_trainer.sweep import effective_batch_line
+
+    say(effective_batch_line(cfg, max(_gpus(cfg, info or launch_device.detect_device()), 1) * int(cfg.launcher.nodes)))
     say("environment (env.json): " + "; ".join(prepared.env_lines))
     if cfg.dry_run:
         say("dry_run=true: wrote config.yaml, sd_scripts.toml, dataset.toml, command.txt; not launching")

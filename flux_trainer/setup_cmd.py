@@ -195,17 +195,17 @@ def explain_hub_error(exc: BaseException, f: ModelFile) -> ConfigError | None:
 
     what = f"{f.part}: {f.repo_id}/{f.filename}"
     page = f"{constants.ENDPOINT}/{f.repo_id}"
-    login = "`hf auth login` (or `huggingface-cli login`, or set HF_TOKEN)"
+    login = "`hf auth login` or `huggingface-cli login` (or HF_TOKEN in the environment)"
     if isinstance(exc, GatedRepoError):
         said = one_line(exc.server_message or str(exc).splitlines()[-1])
         if get_token() is None:
             return ConfigError(
                 f"{f.repo_id} is gated and you are not logged in to the hub: accept its licence at {page} while "
-                f"logged in, then log in here with {login} and run this again. The hub said: {said}"
+                f"logged in, log in here with {login}, and run this again. The hub said: {said}"
             )
         return ConfigError(
             f"{f.repo_id} is gated and your hub login has no access to it: accept its licence at {page} with that "
-            f"account (or log in with one that has, {login}) and run this again. The hub said: {said}"
+            f"account, or log in as one that has with {login}, and run this again. The hub said: {said}"
         )
     if isinstance(exc, RepositoryNotFoundError):
         return ConfigError(
@@ -290,7 +290,9 @@ def reason(exc: BaseException | None) -> str:
     if exc is None:
         return "no answer"
     text = str(exc)
-    m = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text) or re.search(r"(Read timed out|IncompleteRead\([^)]*\))", text)
+    if "IncompleteRead" in text or "Connection broken" in text:
+        return "the connection dropped"
+    m = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text) or re.search(r"(Read timed out)", text)
     return one_line(m.group(1)) if m else type(exc).__name__
 
 

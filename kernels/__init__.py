@@ -1,14 +1,16 @@
 """flux_kernels: fast ops for FLUX training with a plain-PyTorch reference beside each, probes and fallback.
 Stands alone: never imports flux_trainer or sd-scripts. Triton is imported only when a fast op first runs.
 
-    from flux_kernels.registry import select
     from flux_kernels.patch import apply_kernels, remove_kernels
+    from flux_kernels.registry import KernelError, select
 
-    selection = select("auto", device)          # or "off", or ["qk_norm_rope", "modulate", ...]
-    apply_kernels(flux_model, selection)        # patches the model's blocks in place; remove_kernels undoes it
+    selection = select("auto", accelerator.device)   # or "off", or ["qk_norm_rope", "modulate", ...] / "a,b"
+    installed = apply_kernels(flux, selection)        # patches the built model's blocks; remove_kernels undoes it
 
-Modules: `reference` (sd-scripts' math), `fast` (Triton behind autograd.Function), `attention` (backend probe
-and choice), `registry` (KernelSpec, probe, select), `patch` (installing into a built model), `device`.
+Kernels: attention (backend chosen per shape by measurement), qk_norm_rope, modulate, gated_residual (Triton,
+forward and backward), compile_blocks (regional torch.compile). Modules: `reference` (sd-scripts' math), `fast`
+(Triton behind autograd.Function), `attention` (backend probe and choice), `registry` (KernelSpec, probe,
+select), `patch` (installing into a built model), `device` (what device is this).
 """
 
 _EXPORTS = {
@@ -16,12 +18,13 @@ _EXPORTS = {
     "probe": "registry",
     "REGISTRY": "registry",
     "KernelSpec": "registry",
-    "KernelError": "registry",
+    "KernelError": "patch",
     "Selection": "registry",
     "apply_kernels": "patch",
     "remove_kernels": "patch",
     "probe_attention": "attention",
     "device_info": "device",
+    "unchecked": "registry",
 }
 
 

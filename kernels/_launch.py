@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import torch
 import triton
+from torch import Tensor
+
 from flux_kernels import tl_modulate as tm
 from flux_kernels import tl_qk_norm_rope as tq
 from flux_kernels.device import triton_interpreting
-from torch import Tensor
 
 NS = "flux_kernels"
 # The CPU interpreter truncates fp32 -> bf16; round to nearest-even by hand there so it matches GPUs.

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from flux_kernels.device import as_device_info
 from torch import Tensor
+
+from flux_kernels.device import as_device_info
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,10 @@ import logging
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
+
 from flux_kernels import reference
 from flux_kernels.device import triton_runs_on
-from torch import Tensor
 
 log = logging.getLogger(__name__)
 

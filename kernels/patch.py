@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from types import MethodType
 
 import torch
-from flux_kernels import fast, reference
 from torch import Tensor, nn
+
+from flux_kernels import fast, reference
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
+
 from flux_kernels import fast, patch, reference
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
 from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
 from flux_kernels.patch import KernelError
-from torch.utils._pytree import tree_flatten
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ def _std_lib_compiled_only() -> bool:
     """triton.language's own @jit helpers (tl.sum, tl.zeros) are decorated when triton is first imported. If that
     happened before TRITON_INTERPRET was set (another test or library in the same process), they are compiled-only
     and the interpreter cannot call them."""
-    from flux_kernels.device import triton_interpreting
     from triton.runtime.jit import JITFunction
+
+    from flux_kernels.device import triton_interpreting
 
     return triton_interpreting() and isinstance(tl.sum, JITFunction)
 

@@ -15,6 +15,7 @@ are summed by torch afterwards (Liger-Kernel's RMSNorm does the same for its wei
 
 import triton
 import triton.language as tl
+
 from flux_kernels.tl_common import cast, total
 
 

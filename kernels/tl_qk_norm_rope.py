@@ -13,6 +13,7 @@ The rounding between norm and rope is treated as identity, as autograd does for 
 
 import triton
 import triton.language as tl
+
 from flux_kernels.tl_common import cast, total
 
 

@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
 from flux_kernels import patch, reference
 from flux_kernels.attention import library_versions, probe_attention
 from flux_kernels.device import device_info

@@ -101,7 +101,7 @@ class HardwareConfig:
 
 @dataclass
 class KernelsConfig:
-    set: str = "auto"  # auto | off | ... (the kernels issue fills this)
+    set: str = "auto"  # auto | off | a comma list of flux_kernels names (attention,qk_norm_rope,...)
     attention: str = "sdpa"  # sdpa | xformers
 
 

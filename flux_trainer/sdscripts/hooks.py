@@ -92,9 +92,11 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
         log.info("kernels: off (plain sd-scripts compute path)")
         return []
     from flux_kernels import patch, registry
+    from flux_trainer.config.paths import cache_root
 
     selection = registry.select(kernels.get("set", "auto"), device)
-    installed = patch.apply_kernels(unet, selection)
+    options = {"attention": {"cache_path": cache_root() / "kernels" / "attention_probe.json"}}
+    installed = patch.apply_kernels(unet, selection, options=options)
     log.info("kernels installed: %s", ", ".join(installed) or "none")
     return installed
 

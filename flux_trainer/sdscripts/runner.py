@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     apply_vram_cap(os.environ.get(VRAM_CAP_ENV))
+    from flux_kernels.patch import KernelError
     from flux_trainer.sdscripts.hooks import NonFiniteLoss
 
     code, reason = 1, "crashed"
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer = make_trainer_class(mods, spec, ns.run_dir)()
         trainer.train(args)
         code, reason = 0, "finished"
+    except KernelError as exc:
+        code, reason = 2, f"kernels: {exc}"
+        log.error("%s", reason)
     except NonFiniteLoss as exc:
         code, reason = EXIT_NONFINITE_LOSS, str(exc)
         log.error("stopped: %s", exc)

@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+
 from flux_kernels import fast, patch, reference
 from flux_kernels.attention import chosen, probe_attention
 from flux_kernels.registry import (
@@ -36,6 +37,11 @@ ROW_SHAPES = [(1, 4608, 3072), (2, 4097, 3072), (3, 333, 3072), (2, 77, 1000)]
 @pytest.fixture(scope="module")
 def dev():
     return torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _private_attention_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUX_KERNELS_CACHE", str(tmp_path / "attention_probe.json"))
 
 
 def leaves(args):

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+
 from flux_kernels import attention
 from flux_kernels.attention import (
     BACKENDS,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from flux_kernels import patch, reference
 
 HIDDEN, HEADS = 256, 2  # head_dim 128, as FLUX

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+
 from flux_kernels import device as devmod
 from flux_kernels import reference, registry
 from flux_kernels.device import DeviceInfo, as_device_info, family_of

@@ -10,6 +10,7 @@ import importlib.util
 
 import pytest
 import torch
+
 from flux_kernels import fast, patch, reference
 from flux_kernels.registry import TOLERANCE, KernelError, gated_example, modulate_example, qk_example, unchecked
 

@@ -1,0 +1,213 @@
+"""Doctor checks of attention backends and flux_kernels' own kernels: each one that can run here runs forward and
+backward and is compared with a reference. One that is installed but raises, or gives wrong numbers, is a FAIL:
+silently skipping it is how a user ends up with NaN losses or a run at half speed without knowing why.
+
+Attention goes through `flux_kernels.attention.probe_attention` (fp32 math reference, the same verdict training's
+attention choice reaches) at a FLUX shape: 24 heads x (4096 image + 512 text) tokens x 128, bf16. Our other
+kernels go through `flux_kernels.registry.probe`, the probe `kernels=auto` runs before installing them.
+flux_kernels is imported lazily, and an API that differs from what is expected is reported as a warning row,
+never raised: the doctor must not crash on the thing it is diagnosing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Mapping
+from typing import Any
+
+from flux_trainer.doctor_core import FAIL, PASS, SKIP, WARN, CheckResult, one_line
+
+GROUP_ATTENTION, GROUP_KERNELS = "attention", "kernels"
+FLUX_SHAPE = (1, 24, 4096 + 512, 128)  # 1024x1024: 4096 image tokens + 512 T5 tokens, FLUX.1's 24 heads of 128
+SMALL_SHAPE = (1, 24, 1024 + 512, 128)  # 512x512, for cards where the fp32 reference at 1024^2 would not fit
+REFERENCE = "sdpa_math"  # the reference itself is not a candidate
+SDPA_VARIANTS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+
+
+def _fix_for(name: str) -> str:
+    if name == "xformers":
+        return "pip install -U xformers built for your torch (or pip uninstall xformers); keep kernels.attention=sdpa"
+    if name == "flash_attn":
+        return (
+            "reinstall flash-attn built for your torch and GPU (pip install flash-attn --no-build-isolation), or "
+            "pip uninstall flash-attn"
+        )
+    if name.startswith("sdpa"):
+        return "reinstall PyTorch for this card's CUDA (see the torch build row); report it if it persists"
+    return f"reinstall {name} for your torch and GPU, or uninstall it"
+
+
+def _find_spec(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is broken or absent
+        return False
+
+
+def _unavailable(backend: Any, device_type: str) -> str:
+    """Why a backend cannot be tried here at all (not installed, CUDA-only, no backward); '' if it can."""
+    if not getattr(backend, "trainable", True):
+        return getattr(backend, "note", "") or "no backward pass: not usable for training"
+    requires = getattr(backend, "requires", "")
+    if requires and not _find_spec(requires):
+        return f"{requires} is not installed (optional)"
+    if getattr(backend, "cuda_only", True) and device_type != "cuda":
+        return f"needs CUDA (device is {device_type})"
+    return ""
+
+
+def attention_checks(
+    device: Any = "cuda",
+    *,
+    shape: tuple[int, int, int, int] = FLUX_SHAPE,
+    dtype: Any = None,
+    backends: Mapping[str, Any] | None = None,
+) -> list[CheckResult]:
+    """One row per backend: pass (matches, with its time), warn (PyTorch has no such SDPA kernel for this card or
+    shape: sdpa uses another), skip (not installed / not applicable), fail (raises or is wrong)."""
+    try:
+        import torch
+
+        fk_attention = importlib.import_module("flux_kernels.attention")
+
+        probe_attention = fk_attention.probe_attention
+        candidates = dict(fk_attention.BACKENDS if backends is None else backends)
+    except Exception as e:  # noqa: BLE001 - a half-finished or changed flux_kernels must not crash the doctor
+        return [
+            CheckResult(
+                "attention",
+                WARN,
+                f"flux_kernels.attention unusable ({one_line(e)}): backends not checked",
+                "reinstall flux-train (pip install -e .)",
+                GROUP_ATTENTION,
+            )
+        ]
+    candidates.pop(REFERENCE, None)
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dtype is None else dtype
+    rows, runnable = [], {}
+    for name, backend in candidates.items():
+        why = _unavailable(backend, dev.type)
+        if why:
+            rows.append(CheckResult(f"attention: {name}", SKIP, why, "", GROUP_ATTENTION))
+        else:
+            runnable[name] = backend
+    if not runnable:
+        return rows
+    where = f"{'x'.join(map(str, shape))} {str(dtype).removeprefix('torch.')}"
+    try:
+        results = probe_attention(shape, dtype, dev, False, backends=runnable, use_cache=False, warmup=1, reps=3)
+    except Exception as e:  # noqa: BLE001 - the fp32 reference itself failed (OOM on a busy card) or the API changed
+        rows.append(
+            CheckResult(
+                "attention",
+                WARN,
+                f"the attention probe could not run at {where}: {one_line(e)}",
+                "free GPU memory (other processes?) and rerun `flux-train doctor`",
+                GROUP_ATTENTION,
+            )
+        )
+        return rows
+    rows += [_attention_row(r, where) for r in results]
+    order = {f"attention: {name}": i for i, name in enumerate(candidates)}
+    return sorted(rows, key=lambda r: order.get(r.check, len(order)))  # the backends' own order, not by speed
+
+
+def _attention_row(r: Any, where: str) -> CheckResult:
+    name = r.name
+    data = {"max_rel_err": r.max_err, "ms_fwd_bwd": r.ms_fwd_bwd, "chosen": bool(getattr(r, "chosen", False))}
+    if r.ok:
+        err = f"max rel. error {r.max_err:.1e}" if r.max_err is not None else "matches"
+        ms = f", {r.ms_fwd_bwd:.2f} ms fwd+bwd" if r.ms_fwd_bwd is not None else ""
+        fastest = " (fastest here)" if data["chosen"] else ""
+        return CheckResult(
+            f"attention: {name}", PASS, f"{where}: {err} vs fp32{ms}{fastest}", "", GROUP_ATTENTION, data
+        )
+    error = r.error or "failed"
+    if name in SDPA_VARIANTS and "No available kernel" in error:
+        return CheckResult(
+            f"attention: {name}",
+            WARN,
+            f"PyTorch has no {name.removeprefix('sdpa_')} kernel for this GPU at {where} ({error})",
+            "none needed for training: sdpa picks a backend that works; a newer PyTorch may add it",
+            GROUP_ATTENTION,
+            data,
+        )
+    what = "gives wrong results" if error.startswith("wrong") else "imports but errors"
+    return CheckResult(f"attention: {name}", FAIL, f"{what} at {where}: {error}", _fix_for(name), GROUP_ATTENTION, data)
+
+
+def kernel_checks(device: Any = "cuda", *, registry: Mapping[str, Any] | None = None) -> list[CheckResult]:
+    """One row per flux_kernels kernel (attention choice aside, covered above): skip where it does not apply, else
+    its probe (fast vs reference, forward and backward) decides pass or fail."""
+    try:
+        fk_registry = importlib.import_module("flux_kernels.registry")
+        probe = fk_registry.probe
+        specs = dict(fk_registry.REGISTRY if registry is None else registry)
+    except Exception as e:  # noqa: BLE001
+        return [
+            CheckResult(
+                "kernels",
+                WARN,
+                f"flux_kernels.registry unusable ({one_line(e)}): kernels not checked",
+                "reinstall flux-train (pip install -e .)",
+                GROUP_KERNELS,
+            )
+        ]
+    rows = []
+    for name, spec in specs.items():
+        if name == "attention":
+            continue
+        check = f"kernel: {name}"
+        try:
+            applies, why = spec.applies(device)
+        except Exception as e:  # noqa: BLE001
+            rows.append(CheckResult(check, FAIL, f"applies() raised {one_line(e)}", _kernel_fix(name), GROUP_KERNELS))
+            continue
+        if not applies:
+            rows.append(CheckResult(check, SKIP, why, "", GROUP_KERNELS))
+            continue
+        try:
+            result = probe(spec, device)
+        except Exception as e:  # noqa: BLE001 - probe() catches its own errors; this is belt and braces
+            rows.append(CheckResult(check, FAIL, f"probe raised {one_line(e)}", _kernel_fix(name), GROUP_KERNELS))
+            continue
+        data = {"max_rel_err": getattr(result, "max_err", None)}
+        if result.ok:
+            err = data["max_rel_err"]
+            extra = f", max rel. error {err:.1e}" if isinstance(err, float) and err > 0 else ""
+            rows.append(CheckResult(check, PASS, f"{result.reason}{extra}", "", GROUP_KERNELS, data))
+        else:
+            rows.append(CheckResult(check, FAIL, result.reason, _kernel_fix(name), GROUP_KERNELS, data))
+    return rows
+
+
+def _kernel_fix(name: str) -> str:
+    return (
+        f"kernels=auto leaves {name} out after its probe fails; to be sure use kernels=off, and update "
+        "triton/flux-train"
+    )
+
+
+def attention_and_kernel_checks(info: Any) -> list[CheckResult]:
+    """On the GPU that trains: attention at 1024^2 (512^2 on cards under 20 GiB) and every kernel's probe."""
+    if not info.is_gpu:
+        return [
+            CheckResult(
+                "attention", SKIP, "no CUDA GPU: backends are checked on the GPU that trains", "", GROUP_ATTENTION
+            ),
+            CheckResult("kernels", SKIP, "no CUDA GPU: flux_kernels apply to CUDA GPUs", "", GROUP_KERNELS),
+        ]
+    import torch
+
+    if not torch.cuda.is_available():
+        return [CheckResult("attention", SKIP, "CUDA is not available in this process", "", GROUP_ATTENTION)]
+    device = torch.device("cuda", info.index)
+    shape = FLUX_SHAPE if info.vram_gib >= 20 else SMALL_SHAPE
+    dtype = torch.bfloat16 if info.bf16 else torch.float16
+    rows = attention_checks(device, shape=shape, dtype=dtype)
+    torch.cuda.empty_cache()
+    rows += kernel_checks(device)
+    torch.cuda.empty_cache()
+    return rows

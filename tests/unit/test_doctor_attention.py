@@ -1,0 +1,158 @@
+"""Attention backends and kernels in the doctor, on the CPU with simulated backends: one that imports but raises and
+one that returns wrong numbers are FAIL rows (never a silent skip); missing ones skip; a changed flux_kernels API
+degrades to a warning row instead of crashing the doctor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flux_kernels import attention as fk_attention
+from flux_kernels import registry as fk_registry
+from flux_kernels.attention import AttentionBackend
+from flux_kernels.registry import KernelSpec
+from flux_trainer import doctor_attention
+from flux_trainer.launch.device import DeviceInfo
+
+SHAPE = (1, 2, 33, 16)
+
+
+def sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def broken(q, k, v, mask):
+    raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+
+def wrong(q, k, v, mask):
+    return sdpa(q, k, v, mask) * 1.5  # plausible shape and dtype, wrong numbers
+
+
+def no_kernel(q, k, v, mask):
+    raise RuntimeError("No available kernel. Aborting execution.")
+
+
+def backends(**runs):
+    return {name: AttentionBackend(name, run, cuda_only=False) for name, run in runs.items()}
+
+
+def check(**runs):
+    rows = doctor_attention.attention_checks("cpu", shape=SHAPE, dtype=torch.float32, backends=backends(**runs))
+    return {r.check.removeprefix("attention: "): r for r in rows}
+
+
+def test_a_backend_that_imports_but_raises_is_a_fail():
+    rows = check(sdpa=sdpa, mybackend=broken)
+    assert rows["sdpa"].status == "pass", rows["sdpa"].evidence
+    assert rows["mybackend"].status == "fail"
+    assert "no kernel image" in rows["mybackend"].evidence and rows["mybackend"].fix
+
+
+def test_a_backend_with_wrong_numbers_is_a_fail():
+    rows = check(sdpa=sdpa, xformers=wrong)
+    assert rows["xformers"].status == "fail"
+    assert "wrong" in rows["xformers"].evidence
+    assert "xformers" in rows["xformers"].fix
+
+
+def test_an_sdpa_kernel_pytorch_does_not_have_for_this_card_is_a_warning():
+    rows = check(sdpa=sdpa, sdpa_flash=no_kernel)
+    assert rows["sdpa_flash"].status == "warn"
+
+
+def test_but_the_default_sdpa_failing_is_a_fail():
+    rows = check(sdpa=no_kernel)
+    assert rows["sdpa"].status == "fail"
+
+
+def test_missing_and_cuda_only_backends_are_skipped_with_the_reason():
+    candidates = {
+        "sdpa": AttentionBackend("sdpa", sdpa, cuda_only=False),
+        "xformers": AttentionBackend("xformers", sdpa, requires="no_such_module_for_the_doctor_test"),
+        "sdpa_cudnn": AttentionBackend("sdpa_cudnn", sdpa, cuda_only=True),
+        "sage": AttentionBackend("sage", sdpa, trainable=False, note="no backward pass"),
+    }
+    rows = doctor_attention.attention_checks("cpu", shape=SHAPE, dtype=torch.float32, backends=candidates)
+    by = {r.check: r for r in rows}
+    assert by["attention: xformers"].status == "skip" and "not installed" in by["attention: xformers"].evidence
+    assert by["attention: sdpa_cudnn"].status == "skip" and "CUDA" in by["attention: sdpa_cudnn"].evidence
+    assert by["attention: sage"].status == "skip" and "backward" in by["attention: sage"].evidence
+    assert by["attention: sdpa"].status == "pass"
+
+
+def test_the_real_backends_table_on_cpu_checks_sdpa_and_leaves_out_the_reference():
+    rows = doctor_attention.attention_checks("cpu", shape=SHAPE, dtype=torch.float32)
+    names = {r.check for r in rows}
+    assert "attention: sdpa" in names and "attention: sdpa_math" not in names
+    assert {r.check: r.status for r in rows}["attention: sdpa"] == "pass"
+
+
+def test_a_changed_probe_api_is_a_warning_not_a_crash(monkeypatch):
+    def changed(*args, **kwargs):
+        raise TypeError("probe_attention() got an unexpected keyword argument 'backends'")
+
+    monkeypatch.setattr(fk_attention, "probe_attention", changed)
+    rows = check(sdpa=sdpa)
+    assert [r.status for r in rows.values()] == ["warn"]
+    assert "could not run" in next(iter(rows.values())).evidence
+
+
+def test_an_unimportable_flux_kernels_is_a_warning(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flux_kernels.attention", None)  # import now raises ImportError
+    rows = doctor_attention.attention_checks("cpu", shape=SHAPE, dtype=torch.float32)
+    assert len(rows) == 1 and rows[0].status == "warn" and "unusable" in rows[0].evidence
+
+
+# ---- our kernels ---------------------------------------------------------------------------------------------
+
+
+def example(device, dtype):
+    return (torch.linspace(-2, 2, 7, dtype=dtype, device=device).requires_grad_(),)
+
+
+def crash(x):
+    raise RuntimeError("triton compilation failed")
+
+
+def spec(name, fast, applies=(True, "here")):
+    return KernelSpec(
+        name, "test", lambda d: applies, lambda m: "", reference=torch.sin, fast=fast, example=example,
+        dtypes=(torch.float32,),
+    )  # fmt: skip
+
+
+def test_kernel_rows_pass_fail_and_skip_by_their_probe():
+    registry = {
+        "good": spec("good", torch.sin),
+        "wrong": spec("wrong", torch.cos),
+        "crashes": spec("crashes", crash),
+        "elsewhere": spec("elsewhere", torch.sin, applies=(False, "needs a CUDA GPU (device is cpu)")),
+        "attention": spec("attention", torch.sin),  # covered by the attention rows, not repeated
+    }
+    rows = {r.check: r for r in doctor_attention.kernel_checks("cpu", registry=registry)}
+    assert set(rows) == {"kernel: good", "kernel: wrong", "kernel: crashes", "kernel: elsewhere"}
+    assert rows["kernel: good"].status == "pass"
+    assert rows["kernel: wrong"].status == "fail" and "reference" in rows["kernel: wrong"].evidence
+    assert rows["kernel: crashes"].status == "fail" and "triton compilation failed" in rows["kernel: crashes"].evidence
+    assert rows["kernel: elsewhere"].status == "skip" and "CUDA" in rows["kernel: elsewhere"].evidence
+
+
+def test_the_real_registry_on_cpu_skips_every_kernel_with_a_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rows = doctor_attention.kernel_checks("cpu")
+    assert rows and all(r.status == "skip" and r.evidence for r in rows)
+    assert {r.check for r in rows} == {f"kernel: {n}" for n in fk_registry.REGISTRY if n != "attention"}
+
+
+def test_without_a_gpu_attention_and_kernels_are_one_skip_each():
+    rows = doctor_attention.attention_and_kernel_checks(DeviceInfo.cpu())
+    assert [(r.check, r.status) for r in rows] == [("attention", "skip"), ("kernels", "skip")]
+
+
+@pytest.mark.parametrize("name", ["xformers", "flash_attn", "sdpa_flash", "other"])
+def test_every_failing_backend_gets_a_fix(name):
+    assert doctor_attention._fix_for(name)
