@@ -39,7 +39,8 @@ def cuda_tag_for(info: DeviceInfo) -> str:
 
 def install_command(tag: str) -> str:
     """The fix, without naming a package index host: PyTorch's 'Get started' selector gives the exact line."""
-    return f"install the PyTorch build for CUDA {tag[2:-1]}.{tag[-1]} or newer ({tag}; pytorch.org 'Get started' selector)"
+    cuda = f"{tag[2:-1]}.{tag[-1]}"
+    return f"install the PyTorch build for CUDA {cuda} or newer ({tag}; pytorch.org 'Get started' selector)"
 
 
 def gpu_identity(info: DeviceInfo) -> CheckResult:
