@@ -6,7 +6,8 @@ set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 REPO=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING || true
-export PYTHONPATH=/tmp/site:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=/tmp/ftcache
+mkdir -p /tmp/pkgs && ln -sfn "$REPO/kernels" /tmp/pkgs/flux_kernels   # the wheel maps kernels/ -> flux_kernels
+export PYTHONPATH=/tmp/site:/tmp/pkgs:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=/tmp/ftcache
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
 cd /tmp
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
