@@ -7,8 +7,9 @@ Stands alone: never imports flux_trainer or sd-scripts. Triton is imported only 
     selection = select("auto", accelerator.device)   # or "off", or ["qk_norm_rope", "modulate", ...] / "a,b"
     installed = apply_kernels(flux, selection)        # patches the built model's blocks; remove_kernels undoes it
 
-Kernels: attention (backend chosen per shape by measurement), qk_norm_rope, modulate, gated_residual (Triton,
-forward and backward), compile_blocks (regional torch.compile). Modules: `reference` (sd-scripts' math), `fast`
+Kernels: attention (backend chosen per shape by measurement), qk_norm_rope, modulate, gated_residual,
+gated_modulate (Triton, forward and backward), compile_blocks (regional torch.compile). `auto` = attention +
+compile_blocks; the Triton ones are opt-in (registry `in_auto`). Modules: `reference` (sd-scripts' math), `fast`
 (Triton behind autograd.Function), `attention` (backend probe and choice), `registry` (KernelSpec, probe,
 select), `patch` (installing into a built model), `device` (what device is this).
 """

@@ -1,5 +1,9 @@
-"""Kernel launches as `torch.library.custom_op`s. Imported by `fast._ops_lib()` on first use: importing this
-imports triton, and registers the ops once per process.
+"""Kernel launches: plain Python launchers, and the same wrapped as `torch.library.custom_op`s. Imported by
+`fast._ops_lib()` on first use: importing this imports triton; `define_ops` registers the ops once per process.
+
+Eager code calls the launchers directly (a custom op's dispatcher round trip costs ~10 us of CPU per call, as much
+as the kernel itself at FLUX shapes); torch.compile and export trace the custom ops, which they see as opaque
+calls with known output shapes (the fake implementations below) instead of Triton's launcher.
 
 (No `from __future__ import annotations` here: custom_op reads the real annotations to build the op schema.)
 """
@@ -18,6 +22,7 @@ from flux_kernels.device import triton_interpreting
 NS = "flux_kernels"
 # The CPU interpreter truncates fp32 -> bf16; round to nearest-even by hand there so it matches GPUs.
 _RTNE = triton_interpreting()
+F32 = torch.float32
 
 
 @functools.cache
@@ -29,22 +34,29 @@ def _sm_count(device: torch.device) -> int:
 
 def _row_split(device: torch.device, B: int, L: int, reduce: bool) -> tuple[int, int]:
     """(programs per batch element, rows per program) for the backward kernels. Reducing over L (the modulation
-    vectors need gradients, as when LoRA trains the Modulation layers, sd-scripts' default): about two programs
-    per SM in all, so the fp32 partial rows summed afterwards stay ~8% of the traffic. Otherwise one row each."""
+    vectors need gradients, as when LoRA trains the Modulation layers, sd-scripts' default): about four programs
+    per SM in all, so the fp32 partial rows summed afterwards stay a few % of the traffic. Otherwise one row each."""
     if not reduce or not L:
         return max(L, 1), 1
-    want = max(1, min(L, triton.cdiv(2 * _sm_count(device), B)))
+    want = max(1, min(L, triton.cdiv(4 * _sm_count(device), B)))
     rows = triton.cdiv(L, want)
     return triton.cdiv(L, rows), rows
 
 
 def _warps(block: int, bwd: bool = False) -> int:
     """Warps per program for one hidden-size row. From ptxas register counts (triton 3.7, sm_90, bf16, C=3072):
-    a 4096-wide backward needs 16 warps to stay near 64-108 registers; no configuration spills. Not yet tuned
-    by measurement."""
+    a 4096-wide backward needs 16 warps to stay near 64-108 registers; no configuration spills."""
     if block >= 4096:
         return 16 if bwd else 8
     return 8 if block >= 2048 else 4
+
+
+def _qk_tile(H: int, D: int) -> tuple[int, int, int]:
+    """(tokens, heads, warps) per program: 8 heads x 4 tokens x 128 = 4096 elements of q and of k per program,
+    heads not padded for FLUX's 24 (3 groups of 8)."""
+    block_h = min(triton.next_power_of_2(H), 8)
+    block_t = 4
+    return block_t, block_h, max(1, min(8, block_t * block_h * D // 512))
 
 
 def _empty_dq(q: Tensor) -> Tensor:
@@ -54,169 +66,262 @@ def _empty_dq(q: Tensor) -> Tensor:
     return q.new_empty(B, L, H, D).permute(0, 2, 1, 3)
 
 
+def _sum_parts(parts: Tensor, B: int) -> Tensor:
+    return parts.view(B, -1, parts.shape[-1]).sum(1, keepdim=True)
+
+
+def _none(like: Tensor) -> Tensor:
+    """An empty fp32 stand-in for a gradient that was not asked for (never aliased with another output)."""
+    return like.new_empty(0, dtype=F32)
+
+
+# ---- QK-RMSNorm + RoPE ------------------------------------------------------------------------------------------
+
+
+def qk_norm_rope_fwd(
+    qs: list[Tensor], ks: list[Tensor], qws: list[Tensor], kws: list[Tensor], pe: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    B, H, _, D = qs[0].shape
+    total = sum(q.shape[2] for q in qs)
+    q_out = qs[0].new_empty(B, H, total, D)
+    k_out = qs[0].new_empty(B, H, total, D)
+    spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
+    bt, bh, warps = _qk_tile(H, D)
+    l_off = 0
+    for q, k, qw, kw in zip(qs, ks, qws, kws, strict=True):
+        L = q.shape[2]
+        if L and B:
+            tq.qk_norm_rope_fwd[(triton.cdiv(L, bt), triton.cdiv(H, bh), B)](
+                q, k, qw, kw, pe, q_out, k_out, L, H, l_off,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                q_out.stride(0), q_out.stride(1), q_out.stride(2), spe_b, pe.stride(2), eps,
+                D=D, BLOCK_T=bt, BLOCK_H=bh, RTNE=_RTNE, num_warps=warps,
+            )  # fmt: skip
+        l_off += L
+    return q_out, k_out
+
+
+def qk_norm_rope_bwd(
+    dq_out: Tensor, dk_out: Tensor, qs: list[Tensor], ks: list[Tensor], qws: list[Tensor], kws: list[Tensor],
+    pe: Tensor, eps: float, need_dw: bool,
+) -> list[Tensor]:  # fmt: skip
+    B, H, _, D = qs[0].shape
+    spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
+    bt, bh, warps = _qk_tile(H, D)
+    grads, dws = [], []
+    l_off = 0
+    for q, k, qw, kw in zip(qs, ks, qws, kws, strict=True):
+        L = q.shape[2]
+        dq, dk = _empty_dq(q), _empty_dq(k)
+        grid = (triton.cdiv(L, bt), triton.cdiv(H, bh), B)
+        parts = grid[0] * grid[1] * grid[2]
+        dqw = q.new_empty(parts, D, dtype=F32) if need_dw else pe  # every program writes its row: no zeroing
+        dkw = q.new_empty(parts, D, dtype=F32) if need_dw else pe
+        if parts:
+            tq.qk_norm_rope_bwd[grid](
+                dq_out, dk_out, q, k, qw, kw, pe, dq, dk, dqw, dkw, L, H, l_off,
+                dq_out.stride(0), dq_out.stride(1), dq_out.stride(2),
+                dk_out.stride(0), dk_out.stride(1), dk_out.stride(2),
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                dq.stride(0), dq.stride(1), dq.stride(2), spe_b, pe.stride(2), eps,
+                D=D, BLOCK_T=bt, BLOCK_H=bh, COMPUTE_DW=need_dw, RTNE=_RTNE, num_warps=warps,
+            )  # fmt: skip
+        grads += [dq, dk]
+        if need_dw:
+            dws += [dqw.sum(0), dkw.sum(0)] if parts else [q.new_zeros(D, dtype=F32), q.new_zeros(D, dtype=F32)]
+        else:
+            dws += [_none(q), _none(q)]
+        l_off += L
+    return grads + dws
+
+
+def _qk_fwd_fake(qs, ks, qws, kws, pe, eps):
+    B, H, _, D = qs[0].shape
+    total = sum(q.shape[2] for q in qs)
+    return qs[0].new_empty(B, H, total, D), qs[0].new_empty(B, H, total, D)
+
+
+def _qk_bwd_fake(dq_out, dk_out, qs, ks, qws, kws, pe, eps, need_dw):
+    grads, dws = [], []
+    for q, k in zip(qs, ks, strict=True):
+        grads += [_empty_dq(q), _empty_dq(k)]
+        n = q.shape[-1] if need_dw else 0
+        dws += [q.new_empty(n, dtype=F32), q.new_empty(n, dtype=F32)]
+    return grads + dws
+
+
+# ---- LayerNorm + modulation -------------------------------------------------------------------------------------
+
+
+def modulate_fwd(x: Tensor, shift: Tensor, scale: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    B, L, C = x.shape
+    out = x.new_empty(B, L, C, dtype=torch.promote_types(torch.promote_types(x.dtype, shift.dtype), scale.dtype))
+    mean = x.new_empty(B, L, dtype=F32)
+    rstd = x.new_empty(B, L, dtype=F32)
+    if B * L:
+        block = triton.next_power_of_2(C)
+        tm.modulate_fwd[(L, B)](
+            x, shift, scale, out, mean, rstd, L, C, x.stride(0), x.stride(1), shift.stride(0), scale.stride(0),
+            out.stride(0), out.stride(1), eps, BLOCK_C=block, RTNE=_RTNE, num_warps=_warps(block),
+        )  # fmt: skip
+    return out, mean, rstd
+
+
+def _modulate_fwd_fake(x, shift, scale, eps):
+    B, L, C = x.shape
+    dtype = torch.promote_types(torch.promote_types(x.dtype, shift.dtype), scale.dtype)
+    return x.new_empty(B, L, C, dtype=dtype), x.new_empty(B, L, dtype=F32), x.new_empty(B, L, dtype=F32)
+
+
+def modulate_bwd(
+    dout: Tensor, x: Tensor, scale: Tensor, mean: Tensor, rstd: Tensor, need_dss: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    B, L, C = x.shape
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    progs, rows = _row_split(x.device, B, L, need_dss)
+    dsc = x.new_empty(B * progs, C, dtype=F32) if need_dss else mean  # every program writes its row
+    dsh = x.new_empty(B * progs, C, dtype=F32) if need_dss else mean
+    if B * L:
+        block = triton.next_power_of_2(C)
+        tm.modulate_bwd[(progs, B)](
+            dout, x, scale, mean, rstd, dx, dsc, dsh, L, C, rows, progs,
+            dout.stride(0), dout.stride(1), x.stride(0), x.stride(1), scale.stride(0), dx.stride(0), dx.stride(1),
+            BLOCK_C=block, COMPUTE_DSS=need_dss, RTNE=_RTNE, num_warps=_warps(block, bwd=True),
+        )  # fmt: skip
+    if not need_dss:
+        return dx, _none(x), _none(x)
+    if not B * L:
+        return dx, x.new_zeros(B, 1, C, dtype=F32), x.new_zeros(B, 1, C, dtype=F32)
+    return dx, _sum_parts(dsh, B), _sum_parts(dsc, B)
+
+
+def _modulate_bwd_fake(dout, x, scale, mean, rstd, need_dss):
+    B, L, C = x.shape
+    shape = (B, 1, C) if need_dss else (0,)
+    return torch.empty_like(x), x.new_empty(shape, dtype=F32), x.new_empty(shape, dtype=F32)
+
+
+# ---- gated residual ---------------------------------------------------------------------------------------------
+
+
+def gated_residual_fwd(x: Tensor, gate: Tensor, y: Tensor) -> Tensor:
+    B, L, C = x.shape
+    out = x.new_empty(B, L, C, dtype=torch.promote_types(torch.promote_types(x.dtype, gate.dtype), y.dtype))
+    if B * L:
+        block = triton.next_power_of_2(C)
+        tm.gated_fwd[(L, B)](
+            x, gate, y, out, C, x.stride(0), x.stride(1), gate.stride(0), y.stride(0), y.stride(1),
+            out.stride(0), out.stride(1), BLOCK_C=block, RTNE=_RTNE, num_warps=_warps(block),
+        )  # fmt: skip
+    return out
+
+
+def _gated_fwd_fake(x, gate, y):
+    return x.new_empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, gate.dtype), y.dtype))
+
+
+def gated_residual_bwd(dout: Tensor, gate: Tensor, y: Tensor, need_dgate: bool) -> tuple[Tensor, Tensor]:
+    B, L, C = y.shape
+    dy = torch.empty_like(y, memory_format=torch.contiguous_format)
+    progs, rows = _row_split(y.device, B, L, need_dgate)
+    dg = y.new_empty(B * progs, C, dtype=F32) if need_dgate else dy
+    if B * L:
+        block = triton.next_power_of_2(C)
+        tm.gated_bwd[(progs, B)](
+            dout, gate, y, dy, dg, L, C, rows, progs, dout.stride(0), dout.stride(1), gate.stride(0),
+            y.stride(0), y.stride(1), dy.stride(0), dy.stride(1),
+            BLOCK_C=block, COMPUTE_DGATE=need_dgate, RTNE=_RTNE, num_warps=_warps(block, bwd=True),
+        )  # fmt: skip
+    if not need_dgate:
+        return dy, _none(y)
+    return dy, _sum_parts(dg, B) if B * L else y.new_zeros(B, 1, C, dtype=F32)
+
+
+def _gated_bwd_fake(dout, gate, y, need_dgate):
+    B, _, C = y.shape
+    return torch.empty_like(y), y.new_empty((B, 1, C) if need_dgate else (0,), dtype=F32)
+
+
+# ---- gated residual + LayerNorm + modulation --------------------------------------------------------------------
+
+
+def gated_modulate_fwd(
+    x: Tensor, gate: Tensor, y: Tensor, shift: Tensor, scale: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    B, L, C = x.shape
+    res = x.new_empty(B, L, C)
+    out = x.new_empty(B, L, C)
+    mean = x.new_empty(B, L, dtype=F32)
+    rstd = x.new_empty(B, L, dtype=F32)
+    if B * L:
+        block = triton.next_power_of_2(C)
+        tm.gated_modulate_fwd[(L, B)](
+            x, gate, y, shift, scale, res, out, mean, rstd, L, C, x.stride(0), x.stride(1), gate.stride(0),
+            y.stride(0), y.stride(1), shift.stride(0), scale.stride(0), res.stride(0), res.stride(1),
+            out.stride(0), out.stride(1), eps, BLOCK_C=block, RTNE=_RTNE, num_warps=_warps(block),
+        )  # fmt: skip
+    return res, out, mean, rstd
+
+
+def _gated_modulate_fwd_fake(x, gate, y, shift, scale, eps):
+    B, L, C = x.shape
+    return x.new_empty(B, L, C), x.new_empty(B, L, C), x.new_empty(B, L, dtype=F32), x.new_empty(B, L, dtype=F32)
+
+
+def gated_modulate_bwd(
+    dres: Tensor | None, dout: Tensor, x: Tensor, gate: Tensor, y: Tensor, scale: Tensor, mean: Tensor,
+    rstd: Tensor, need_dgate: bool, need_dss: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    B, L, C = x.shape
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dy = torch.empty_like(y, memory_format=torch.contiguous_format)
+    progs, rows = _row_split(x.device, B, L, need_dgate or need_dss)
+    dg = x.new_empty(B * progs, C, dtype=F32) if need_dgate else mean  # every program writes its row
+    dsc = x.new_empty(B * progs, C, dtype=F32) if need_dss else mean
+    dsh = x.new_empty(B * progs, C, dtype=F32) if need_dss else mean
+    dr = dout if dres is None else dres
+    if B * L:
+        block = triton.next_power_of_2(C)
+        tm.gated_modulate_bwd[(progs, B)](
+            dr, dout, x, gate, y, scale, mean, rstd, dx, dy, dg, dsc, dsh, L, C, rows, progs,
+            dr.stride(0), dr.stride(1), dout.stride(0), dout.stride(1), x.stride(0), x.stride(1), gate.stride(0),
+            y.stride(0), y.stride(1), scale.stride(0), dx.stride(0), dx.stride(1), dy.stride(0), dy.stride(1),
+            BLOCK_C=block, HAS_DRES=dres is not None, COMPUTE_DG=need_dgate, COMPUTE_DSS=need_dss, RTNE=_RTNE,
+            num_warps=_warps(block, bwd=True),
+        )  # fmt: skip
+
+    def total(parts: Tensor, need: bool) -> Tensor:
+        if not need:
+            return _none(x)
+        return _sum_parts(parts, B) if B * L else x.new_zeros(B, 1, C, dtype=F32)
+
+    return dx, dy, total(dg, need_dgate), total(dsh, need_dss), total(dsc, need_dss)
+
+
+def _gated_modulate_bwd_fake(dres, dout, x, gate, y, scale, mean, rstd, need_dgate, need_dss):
+    B, _, C = x.shape
+    g, ss = ((B, 1, C) if need_dgate else (0,)), ((B, 1, C) if need_dss else (0,))
+    f32 = (x.new_empty(g, dtype=F32), x.new_empty(ss, dtype=F32), x.new_empty(ss, dtype=F32))
+    return (torch.empty_like(x), torch.empty_like(y), *f32)
+
+
+LAUNCHERS = {
+    "qk_norm_rope_fwd": (qk_norm_rope_fwd, _qk_fwd_fake),
+    "qk_norm_rope_bwd": (qk_norm_rope_bwd, _qk_bwd_fake),
+    "modulate_fwd": (modulate_fwd, _modulate_fwd_fake),
+    "modulate_bwd": (modulate_bwd, _modulate_bwd_fake),
+    "gated_residual_fwd": (gated_residual_fwd, _gated_fwd_fake),
+    "gated_residual_bwd": (gated_residual_bwd, _gated_bwd_fake),
+    "gated_modulate_fwd": (gated_modulate_fwd, _gated_modulate_fwd_fake),
+    "gated_modulate_bwd": (gated_modulate_bwd, _gated_modulate_bwd_fake),
+}
+
+
 def define_ops() -> SimpleNamespace:
-    @torch.library.custom_op(f"{NS}::qk_norm_rope_fwd", mutates_args=())
-    def qk_norm_rope_fwd(
-        qs: list[Tensor], ks: list[Tensor], qws: list[Tensor], kws: list[Tensor], pe: Tensor, eps: float
-    ) -> tuple[Tensor, Tensor]:
-        B, H, _, D = qs[0].shape
-        total = sum(q.shape[2] for q in qs)
-        q_out = qs[0].new_empty(B, H, total, D)
-        k_out = qs[0].new_empty(B, H, total, D)
-        spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
-        l_off = 0
-        for q, k, qw, kw in zip(qs, ks, qws, kws, strict=True):
-            L = q.shape[2]
-            if L:
-                tq.qk_norm_rope_fwd[(L, B)](
-                    q, k, qw, kw, pe, q_out, k_out, L, H, l_off,
-                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                    q_out.stride(0), q_out.stride(1), q_out.stride(2), spe_b, pe.stride(2), eps,
-                    D=D, HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_J=triton.next_power_of_2(D // 2),
-                    RTNE=_RTNE, num_warps=8,
-                )  # fmt: skip
-            l_off += L
-        return q_out, k_out
-
-    @qk_norm_rope_fwd.register_fake
-    def _(qs, ks, qws, kws, pe, eps):
-        B, H, _, D = qs[0].shape
-        total = sum(q.shape[2] for q in qs)
-        return qs[0].new_empty(B, H, total, D), qs[0].new_empty(B, H, total, D)
-
-    @torch.library.custom_op(f"{NS}::qk_norm_rope_bwd", mutates_args=())
-    def qk_norm_rope_bwd(
-        dq_out: Tensor, dk_out: Tensor, qs: list[Tensor], ks: list[Tensor], qws: list[Tensor], kws: list[Tensor],
-        pe: Tensor, eps: float, need_dw: bool,
-    ) -> list[Tensor]:  # fmt: skip
-        B, H, _, D = qs[0].shape
-        spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
-        grads, dws = [], []
-        l_off = 0
-        for q, k, qw, kw in zip(qs, ks, qws, kws, strict=True):
-            L = q.shape[2]
-            dq, dk = _empty_dq(q), _empty_dq(k)
-            rows = B * L if need_dw else 1
-            dqw = torch.zeros(rows, D, device=q.device, dtype=torch.float32)
-            dkw = torch.zeros(rows, D, device=q.device, dtype=torch.float32)
-            if L:
-                tq.qk_norm_rope_bwd[(L, B)](
-                    dq_out, dk_out, q, k, qw, kw, pe, dq, dk, dqw, dkw, L, H, l_off,
-                    dq_out.stride(0), dq_out.stride(1), dq_out.stride(2),
-                    dk_out.stride(0), dk_out.stride(1), dk_out.stride(2),
-                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                    dq.stride(0), dq.stride(1), dq.stride(2), spe_b, pe.stride(2), eps,
-                    D=D, HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_J=triton.next_power_of_2(D // 2),
-                    COMPUTE_DW=need_dw, RTNE=_RTNE, num_warps=8,
-                )  # fmt: skip
-            grads += [dq, dk]
-            dws += [dqw.sum(0), dkw.sum(0)] if need_dw else [dqw.new_empty(0), dkw.new_empty(0)]  # never aliased
-            l_off += L
-        return grads + dws
-
-    @qk_norm_rope_bwd.register_fake
-    def _(dq_out, dk_out, qs, ks, qws, kws, pe, eps, need_dw):
-        grads, dws = [], []
-        for q, k in zip(qs, ks, strict=True):
-            grads += [_empty_dq(q), _empty_dq(k)]
-            n = q.shape[-1] if need_dw else 0
-            dws += [q.new_empty(n, dtype=torch.float32), q.new_empty(n, dtype=torch.float32)]
-        return grads + dws
-
-    @torch.library.custom_op(f"{NS}::modulate_fwd", mutates_args=())
-    def modulate_fwd(x: Tensor, shift: Tensor, scale: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        B, L, C = x.shape
-        dtype = torch.promote_types(torch.promote_types(x.dtype, shift.dtype), scale.dtype)
-        out = x.new_empty(B, L, C, dtype=dtype)
-        mean = x.new_empty(B, L, dtype=torch.float32)
-        rstd = x.new_empty(B, L, dtype=torch.float32)
-        if B * L:
-            block = triton.next_power_of_2(C)
-            tm.modulate_fwd[(L, B)](
-                x, shift, scale, out, mean, rstd, L, C, x.stride(0), x.stride(1), shift.stride(0), scale.stride(0),
-                out.stride(0), out.stride(1), eps, BLOCK_C=block, RTNE=_RTNE, num_warps=_warps(block),
-            )  # fmt: skip
-        return out, mean, rstd
-
-    @modulate_fwd.register_fake
-    def _(x, shift, scale, eps):
-        B, L, C = x.shape
-        dtype = torch.promote_types(torch.promote_types(x.dtype, shift.dtype), scale.dtype)
-        f32 = torch.float32
-        return x.new_empty(B, L, C, dtype=dtype), x.new_empty(B, L, dtype=f32), x.new_empty(B, L, dtype=f32)
-
-    @torch.library.custom_op(f"{NS}::modulate_bwd", mutates_args=())
-    def modulate_bwd(
-        dout: Tensor, x: Tensor, scale: Tensor, mean: Tensor, rstd: Tensor, need_dss: bool
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        B, L, C = x.shape
-        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-        progs, rows = _row_split(x.device, B, L, need_dss)
-        parts = B * progs if need_dss else 1
-        dsc = x.new_zeros(parts, C, dtype=torch.float32)
-        dsh = x.new_zeros(parts, C, dtype=torch.float32)
-        if B * L:
-            block = triton.next_power_of_2(C)
-            tm.modulate_bwd[(progs, B)](
-                dout, x, scale, mean, rstd, dx, dsc, dsh, L, C, rows, progs,
-                dout.stride(0), dout.stride(1), x.stride(0), x.stride(1), scale.stride(0), dx.stride(0), dx.stride(1),
-                BLOCK_C=block, COMPUTE_DSS=need_dss, RTNE=_RTNE, num_warps=_warps(block, bwd=True),
-            )  # fmt: skip
-        if not need_dss:
-            return dx, x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)
-        return dx, dsh.view(B, progs, C).sum(1, keepdim=True), dsc.view(B, progs, C).sum(1, keepdim=True)
-
-    @modulate_bwd.register_fake
-    def _(dout, x, scale, mean, rstd, need_dss):
-        B, L, C = x.shape
-        shape = (B, 1, C) if need_dss else (0,)
-        f32 = torch.float32
-        return torch.empty_like(x), x.new_empty(shape, dtype=f32), x.new_empty(shape, dtype=f32)
-
-    @torch.library.custom_op(f"{NS}::gated_residual_fwd", mutates_args=())
-    def gated_fwd(x: Tensor, gate: Tensor, y: Tensor) -> Tensor:
-        B, L, C = x.shape
-        out = x.new_empty(B, L, C, dtype=torch.promote_types(torch.promote_types(x.dtype, gate.dtype), y.dtype))
-        if B * L:
-            block = triton.next_power_of_2(C)
-            tm.gated_fwd[(L, B)](
-                x, gate, y, out, C, x.stride(0), x.stride(1), gate.stride(0), y.stride(0), y.stride(1),
-                out.stride(0), out.stride(1), BLOCK_C=block, RTNE=_RTNE, num_warps=_warps(block),
-            )  # fmt: skip
-        return out
-
-    @gated_fwd.register_fake
-    def _(x, gate, y):
-        dtype = torch.promote_types(torch.promote_types(x.dtype, gate.dtype), y.dtype)
-        return x.new_empty(x.shape, dtype=dtype)
-
-    @torch.library.custom_op(f"{NS}::gated_residual_bwd", mutates_args=())
-    def gated_bwd(dout: Tensor, gate: Tensor, y: Tensor, need_dgate: bool) -> tuple[Tensor, Tensor]:
-        B, L, C = y.shape
-        dy = torch.empty_like(y, memory_format=torch.contiguous_format)
-        progs, rows = _row_split(y.device, B, L, need_dgate)
-        dg = y.new_zeros(B * progs if need_dgate else 1, C, dtype=torch.float32)
-        if B * L:
-            block = triton.next_power_of_2(C)
-            tm.gated_bwd[(progs, B)](
-                dout, gate, y, dy, dg, L, C, rows, progs, dout.stride(0), dout.stride(1), gate.stride(0),
-                y.stride(0), y.stride(1), dy.stride(0), dy.stride(1),
-                BLOCK_C=block, COMPUTE_DGATE=need_dgate, RTNE=_RTNE, num_warps=_warps(block, bwd=True),
-            )  # fmt: skip
-        if not need_dgate:
-            return dy, y.new_empty(0, dtype=torch.float32)
-        return dy, dg.view(B, progs, C).sum(1, keepdim=True)
-
-    @gated_bwd.register_fake
-    def _(dout, gate, y, need_dgate):
-        B, _, C = y.shape
-        return torch.empty_like(y), y.new_empty((B, 1, C) if need_dgate else (0,), dtype=torch.float32)
-
-    return SimpleNamespace(
-        qk_norm_rope_fwd=qk_norm_rope_fwd,
-        qk_norm_rope_bwd=qk_norm_rope_bwd,
-        modulate_fwd=modulate_fwd,
-        modulate_bwd=modulate_bwd,
-        gated_fwd=gated_fwd,
-        gated_bwd=gated_bwd,
-    )
+    """Register every launcher as the custom op `flux_kernels::<name>` with its fake implementation."""
+    ops = {}
+    for name, (launcher, fake) in LAUNCHERS.items():
+        op = torch.library.custom_op(f"{NS}::{name}", launcher, mutates_args=())
+        op.register_fake(fake)
+        ops[name] = op
+    return SimpleNamespace(**ops)

@@ -16,6 +16,7 @@ import logging
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -199,9 +200,11 @@ def _inputs(shape, dtype, dev, with_mask: bool, seed: int = 0):
 
 
 def _fwd_bwd(run, q, k, v, go, mask):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = run(q, k, v, mask)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+    """Forward and input gradients in the inputs' own dtype, whatever grad mode or autocast the caller is in."""
+    with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = run(q, k, v, mask)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
     return out, dq, dk, dv
 
 
@@ -292,16 +295,50 @@ def chosen(results: Sequence[BackendResult]) -> str | None:
     return next((r.name for r in results if r.chosen), None)
 
 
+def _isolated(fn: Callable, *args, **kwargs):
+    """Run fn(*args, **kwargs) in a fresh thread and return its result (or raise its exception there).
+
+    The attention probe runs at the first eager call of a new shape, i.e. inside some block's forward. Grad mode,
+    autocast and saved-tensor hooks are thread-local, so the probe sees none of the caller's: gradient
+    checkpointing's hooks do not record the probe's own tensors (the original forward and its recomputation then
+    save the same tensors), a no_grad or autocast context around the forward does not change the probe's verdict,
+    and the probe's backward passes happen in its own autograd graph."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller's thread below
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name="flux_kernels-attention-probe", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _probe_on(device: torch.device, *args, **kwargs) -> list[BackendResult]:
+    """probe_attention with `device` as the thread's current CUDA device (events time on its stream)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return probe_attention(*args, **kwargs)
+    return probe_attention(*args, **kwargs)
+
+
 class AttentionDispatch:
-    """Callable (q, k, v, mask) -> [B, H, L, D] that uses the backend chosen for this shape. The first eager call
-    at a new shape probes; under torch.compile (shapes may be symbolic there) it uses the last choice made for
-    the same dtype and mask, else PyTorch's default, so tracing never probes."""
+    """Callable (q, k, v, mask) -> [B, H, L, D] that uses the backend chosen for this exact shape, dtype, device and
+    mask. The first eager call at a new shape probes (in a thread of its own, see `_isolated`); later calls, and the
+    recomputation of a checkpointed forward, reuse that choice. Under torch.compile nothing is probed: a choice made
+    for exactly the traced shape is used, else PyTorch's own SDPA dispatch (what sd-scripts runs). A choice made at
+    another shape is never reused: the probe at a tiny shape (e.g. `verify_blocks`, perhaps on the CPU) may pick
+    the math backend, which at 4608 tokens materialises [B, H, L, L] fp32 attention weights per block."""
 
     def __init__(self, cache_path: Path | str | None = None, backends: Mapping[str, AttentionBackend] | None = None):
         self.cache_path = cache_path
         self.backends = BACKENDS if backends is None else backends
         self.choice: dict[tuple, str] = {}
-        self.by_kind: dict[tuple[torch.dtype, bool], str] = {}
 
     @staticmethod
     def key(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple:
@@ -309,17 +346,18 @@ class AttentionDispatch:
 
     def prepare(self, shape: Sequence[int], dtype: torch.dtype, device, with_mask: bool) -> str:
         dev = as_device_info(device).torch_device
-        results = probe_attention(shape, dtype, dev, with_mask, backends=self.backends, cache_path=self.cache_path)
+        results = _isolated(
+            _probe_on, dev, tuple(shape), dtype, dev, with_mask, backends=self.backends, cache_path=self.cache_path
+        )
         name = chosen(results) or "sdpa"
         rejected = "; ".join(f"{r.name}: {r.error}" for r in results if not r.ok)
         log.info("attention %s %s mask=%s: %s (rejected: %s)", tuple(shape), dtype, with_mask, name, rejected or "-")
         self.choice[(tuple(shape), shape[2], dtype, dev, with_mask)] = name
-        self.by_kind[(dtype, with_mask)] = name
         return name
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         if torch.compiler.is_compiling():
-            name = self.by_kind.get((q.dtype, mask is not None), "sdpa")
+            name = self.choice.get(self.key(q, k, mask), "sdpa") if self.choice else "sdpa"
         else:
             name = self.choice.get(self.key(q, k, mask))
             if name is None:

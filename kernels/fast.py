@@ -5,9 +5,13 @@ TRITON_INTERPRET=1) and the inputs have a shape it handles, and otherwise calls 
 reason). `fallback=False` raises `Unsupported` instead: probes and tests use it, so a probe can never pass by
 silently comparing the reference with itself.
 
-The kernel launches are registered as `torch.library.custom_op`s (first use, not import): `torch.compile` then
-treats them as opaque ops with known output shapes instead of tracing into Triton's launcher, so the fused
-kernels and `compile_blocks` can be switched on together without graph breaks.
+Under torch.compile the kernel launches are `torch.library.custom_op`s (registered at first use, not import):
+dynamo treats them as opaque ops with known output shapes instead of tracing into Triton's launcher, so the fused
+kernels and `compile_blocks` can be switched on together without graph breaks. Eager calls skip the custom-op
+dispatcher and call the launchers directly (see `_kernel`).
+
+What each op keeps for backward is no more than the reference keeps (see tests/unit/test_kernels_memory.py):
+inputs the backward needs anyway, and fp32 row statistics (8 bytes per row), never fp32 copies of activations.
 """
 
 from __future__ import annotations
@@ -43,13 +47,26 @@ def _fallback(op: str, reason: str, fallback: bool) -> None:
 
 
 def _ops_lib():
-    """Define the custom ops on first use (imports triton; not at import time of flux_kernels)."""
+    """(launchers module, custom ops), defined on first use (imports triton; not at import time of flux_kernels)."""
     global _ops
     if _ops is None:
         from flux_kernels import _launch
 
-        _ops = _launch.define_ops()
+        _ops = (_launch, _launch.define_ops())
     return _ops
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _kernel(name: str, x: Tensor):
+    """The launcher of `name`: its custom op while torch.compile/export traces (or for tensor subclasses such as
+    fake tensors), the plain launcher in eager mode, where the dispatcher round trip would cost as much CPU time
+    as the kernel takes on the GPU."""
+    launchers, ops = _ops_lib()
+    if torch.compiler.is_compiling() or type(x) not in _PLAIN:
+        return getattr(ops, name)
+    return getattr(launchers, name)
 
 
 def _common_problem(tensors: Sequence[Tensor]) -> str | None:
@@ -83,7 +100,7 @@ class _QKNormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pe: Tensor, eps: float, *flat: Tensor):
         qs, ks, qws, kws = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
-        q_out, k_out = _ops_lib().qk_norm_rope_fwd(list(qs), list(ks), list(qws), list(kws), pe, eps)
+        q_out, k_out = _kernel("qk_norm_rope_fwd", qs[0])(list(qs), list(ks), list(qws), list(kws), pe, eps)
         ctx.save_for_backward(pe, *flat)
         ctx.eps = eps
         return q_out, k_out
@@ -99,7 +116,7 @@ class _QKNormRope(torch.autograd.Function):
             dq_out, dk_out = (zeros if dq_out is None else dq_out), (zeros if dk_out is None else dk_out)
         need = ctx.needs_input_grad[2:]
         need_dw = any(need[4 * i + j] for i in range(n) for j in (2, 3))
-        out = _ops_lib().qk_norm_rope_bwd(
+        out = _kernel("qk_norm_rope_bwd", qs[0])(
             _unit_stride(dq_out), _unit_stride(dk_out), list(qs), list(ks), list(qws), list(kws), pe, ctx.eps, need_dw
         )
         grads: list[Tensor | None] = []
@@ -120,8 +137,8 @@ def _qk_problem(segments, pe: Tensor) -> str | None:
     if q0.dim() != 4:
         return f"q must be [B, H, L, D], got {tuple(q0.shape)}"
     B, H, _, D = q0.shape
-    if D % 2 or D > 256:
-        return f"head_dim {D} (must be even and at most 256)"
+    if D < 2 or D > 256 or D & (D - 1):
+        return f"head_dim {D} (must be a power of two from 2 to 256)"
     for q, k, qw, kw in segments:
         if q.shape[:2] != (B, H) or q.shape[3] != D or k.shape != q.shape or {q.dtype, k.dtype} != {q0.dtype}:
             return "q/k segments differ in batch, heads, head_dim or dtype"
@@ -172,7 +189,7 @@ class _Modulate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, shift: Tensor, scale: Tensor, eps: float):
         sh, sc = _bc(shift, x), _bc(scale, x)
-        out, mean, rstd = _ops_lib().modulate_fwd(x, sh, sc, eps)
+        out, mean, rstd = _kernel("modulate_fwd", x)(x, sh, sc, eps)
         ctx.save_for_backward(x, shift, scale, mean, rstd)
         return out
 
@@ -180,7 +197,7 @@ class _Modulate(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         x, shift, scale, mean, rstd = ctx.saved_tensors
         need_dss = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dx, dshift, dscale = _ops_lib().modulate_bwd(_unit_stride(dout), x, _bc(scale, x), mean, rstd, need_dss)
+        dx, dshift, dscale = _kernel("modulate_bwd", x)(_unit_stride(dout), x, _bc(scale, x), mean, rstd, need_dss)
         return (
             dx if ctx.needs_input_grad[0] else None,
             _sum_to(dshift, shift) if ctx.needs_input_grad[1] else None,
@@ -215,7 +232,7 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float = EPS, *, fallb
 class _Gated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, gate: Tensor, y: Tensor):
-        out = _ops_lib().gated_fwd(x, _bc(gate, x), y)
+        out = _kernel("gated_residual_fwd", x)(x, _bc(gate, x), y)
         ctx.save_for_backward(gate, y)
         ctx.x_dtype = x.dtype
         return out
@@ -224,7 +241,7 @@ class _Gated(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         gate, y = ctx.saved_tensors
         dout = _unit_stride(dout)
-        dy, dgate = _ops_lib().gated_bwd(dout, _bc(gate, y), y, ctx.needs_input_grad[1])
+        dy, dgate = _kernel("gated_residual_bwd", y)(dout, _bc(gate, y), y, ctx.needs_input_grad[1])
         return (
             dout.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None,
             _sum_to(dgate, gate) if ctx.needs_input_grad[1] else None,
@@ -244,3 +261,56 @@ def gated_residual(x: Tensor, gate: Tensor, y: Tensor, *, fallback: bool = True)
         _fallback("gated_residual", problem, fallback)
         return reference.gated_residual(x, gate, y)
     return _Gated.apply(_unit_stride(x), gate, _unit_stride(y))
+
+
+# ---- gated residual + LayerNorm + modulation --------------------------------------------------------------------
+
+
+class _GatedModulate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, gate: Tensor, y: Tensor, shift: Tensor, scale: Tensor, eps: float):
+        res, out, mean, rstd = _kernel("gated_modulate_fwd", x)(x, _bc(gate, x), y, _bc(shift, x), _bc(scale, x), eps)
+        # The residual `res` is not kept: backward recomputes it from x and y, which it needs anyway (y for the gate
+        # gradient; x is the block's input stream, kept by the LayerNorm before it). Keeping `res` would add one
+        # [B, L, C] activation per call that the compiled reference does not keep.
+        ctx.save_for_backward(x, gate, y, scale, mean, rstd)
+        ctx.shift_shape = shift.shape
+        return res, out
+
+    @staticmethod
+    def backward(ctx, dres: Tensor | None, dout: Tensor | None):
+        x, gate, y, scale, mean, rstd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if dout is None:
+            dout = torch.zeros_like(x)
+        dx, dy, dgate, dshift, dscale = _kernel("gated_modulate_bwd", x)(
+            None if dres is None else _unit_stride(dres), _unit_stride(dout), x, _bc(gate, x), y, _bc(scale, x),
+            mean, rstd, need[1], need[3] or need[4],
+        )  # fmt: skip
+        return (
+            dx if need[0] else None,
+            _sum_to(dgate, gate) if need[1] else None,
+            dy if need[2] else None,
+            dshift.sum_to_size(ctx.shift_shape).to(scale.dtype) if need[3] else None,
+            _sum_to(dscale, scale) if need[4] else None,
+            None,
+        )
+
+
+def gated_modulate(
+    x: Tensor, gate: Tensor, y: Tensor, shift: Tensor, scale: Tensor, eps: float = EPS, *, fallback: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Fused `reference.gated_modulate`: the residual update `res = x + gate * y` and the modulated LayerNorm of
+    `res` that the double block feeds its MLP, in one pass (the unfused path writes `res`, reads it back for the
+    LayerNorm and adds the two gradients of `res` in a third pass). Returns (res, modulated)."""
+    problem = _rows_problem(x, (gate, shift, scale))
+    if not problem and y.shape != x.shape:
+        problem = f"y shape {tuple(y.shape)} != x shape {tuple(x.shape)}"
+    if not problem and len({t.dtype for t in (x, gate, y, shift, scale)}) > 1:
+        problem = f"mixed dtypes {sorted({str(t.dtype) for t in (x, gate, y, shift, scale)})}"
+    if not problem:
+        problem = _common_problem([x, gate, y, shift, scale])
+    if problem:
+        _fallback("gated_modulate", problem, fallback)
+        return reference.gated_modulate(x, gate, y, shift, scale, eps)
+    return _GatedModulate.apply(_unit_stride(x), gate, _unit_stride(y), shift, scale, eps)

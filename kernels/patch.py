@@ -18,6 +18,8 @@ operations in sd-scripts' order; each fused step is swapped in only where its sw
   * attention: `attention()` minus RoPE (done above): SDPA or another backend that the probe found to agree
     with the fp32 math reference, then "B H L D -> B L (H D)".
   * gated_residual: `x + gate * y` with one rounding.
+  * gated_modulate: in the double block, the residual update after attention and the modulated LayerNorm of
+    its result that feeds the MLP, in one kernel (the residual is recomputed in backward, not kept).
 With every switch off the patched forward is bit-identical to sd-scripts' (a unit test checks this against
 sd-scripts' blocks), and `verify_blocks` checks the installed result against the original on tiny inputs.
 """
@@ -39,7 +41,7 @@ from flux_kernels import fast, reference
 log = logging.getLogger(__name__)
 
 ATTR = "_flux_kernels"
-BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "attention")
+BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention")
 DOUBLE_ATTRS = ("img_mod", "txt_mod", "img_norm1", "txt_norm1", "img_attn", "txt_attn", "img_norm2", "txt_norm2",
                 "img_mlp", "txt_mlp", "num_heads")  # fmt: skip
 DOUBLE_PARAMS = ("self", "img", "txt", "vec", "pe", "txt_attention_mask")
@@ -59,6 +61,7 @@ class BlockOps:
     qk_norm_rope: bool = False
     modulate: bool = False
     gated_residual: bool = False
+    gated_modulate: bool = False
     attention: Callable | None = None  # (q, k, v, mask) -> [B, H, L, D]; None = plain SDPA as sd-scripts
 
     def mod(self, x: Tensor, shift: Tensor, scale: Tensor, norm: nn.Module) -> Tensor:
@@ -68,6 +71,13 @@ class BlockOps:
 
     def gated(self, x: Tensor, gate: Tensor, y: Tensor) -> Tensor:
         return fast.gated_residual(x, gate, y) if self.gated_residual else x + gate * y
+
+    def gated_mod(self, x: Tensor, gate: Tensor, y: Tensor, shift: Tensor, scale: Tensor, norm: nn.Module):
+        """The residual update and the modulated LayerNorm of its result: (x + gate * y, modulated)."""
+        if self.gated_modulate:
+            return fast.gated_modulate(x, gate, y, shift, scale, norm.eps)
+        x = self.gated(x, gate, y)
+        return x, self.mod(x, shift, scale, norm)
 
     def qk(self, streams: list[tuple[Tensor, Tensor, Tensor, nn.Module]], pe: Tensor) -> tuple[Tensor, Tensor]:
         """streams: (q, k, v, QKNorm module) in sequence order; returns the concatenated, rotated q and k."""
@@ -115,10 +125,12 @@ def _double_forward(self, img: Tensor, txt: Tensor, vec: Tensor, pe: Tensor, txt
     attn = ops.attend(q, k, v, _mask(txt_attention_mask, img.shape[1], q))
     txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
 
-    img = ops.gated(img, img_mod1.gate, self.img_attn.proj(img_attn))
-    img = ops.gated(img, img_mod2.gate, self.img_mlp(ops.mod(img, img_mod2.shift, img_mod2.scale, self.img_norm2)))
-    txt = ops.gated(txt, txt_mod1.gate, self.txt_attn.proj(txt_attn))
-    txt = ops.gated(txt, txt_mod2.gate, self.txt_mlp(ops.mod(txt, txt_mod2.shift, txt_mod2.scale, self.txt_norm2)))
+    img, img_in = ops.gated_mod(img, img_mod1.gate, self.img_attn.proj(img_attn), img_mod2.shift, img_mod2.scale,
+                                self.img_norm2)  # fmt: skip
+    img = ops.gated(img, img_mod2.gate, self.img_mlp(img_in))
+    txt, txt_in = ops.gated_mod(txt, txt_mod1.gate, self.txt_attn.proj(txt_attn), txt_mod2.shift, txt_mod2.scale,
+                                self.txt_norm2)  # fmt: skip
+    txt = ops.gated(txt, txt_mod2.gate, self.txt_mlp(txt_in))
     return img, txt
 
 

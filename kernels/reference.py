@@ -63,6 +63,16 @@ def gated_residual(x: Tensor, gate: Tensor, y: Tensor) -> Tensor:
     return x + gate * y
 
 
+def gated_modulate(
+    x: Tensor, gate: Tensor, y: Tensor, shift: Tensor, scale: Tensor, eps: float = EPS
+) -> tuple[Tensor, Tensor]:
+    """The double block's residual update followed by the modulated LayerNorm of its result, as sd-scripts writes
+    `img = img + img_mod1.gate * proj(...)` then `(1 + img_mod2.scale) * self.img_norm2(img) + img_mod2.shift`.
+    Returns (updated residual, modulated input of the MLP)."""
+    res = gated_residual(x, gate, y)
+    return res, modulate(res, shift, scale, eps)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor, attn_mask: Tensor | None = None) -> Tensor:
     """sd-scripts `attention`: RoPE, PyTorch SDPA (its own backend choice), then "B H L D -> B L (H D)"."""
     q, k = apply_rope(q, k, pe)

@@ -190,6 +190,15 @@ def gated_example(device, dtype, B=2, L=7, C=96):
     return x, gate, _rand(B, L, C, device=device, dtype=dtype, gen=gen)
 
 
+def gated_modulate_example(device, dtype, B=2, L=7, C=96):
+    gen = torch.Generator().manual_seed(0)
+    x = _rand(B, L, C, device=device, dtype=dtype, gen=gen, scale=2.0, offset=0.5)
+    y = _rand(B, L, C, device=device, dtype=dtype, gen=gen)
+    mod = _rand(B, 1, 6 * C, device=device, dtype=dtype, gen=gen, scale=0.5)
+    _, _, gate, shift, scale, _ = mod.chunk(6, dim=-1)  # the double block's mod1.gate, mod2.shift, mod2.scale
+    return x, gate, y, shift, scale
+
+
 # ---- checks for the kernels without a reference/fast pair ------------------------------------------------------
 
 
@@ -241,6 +250,7 @@ REGISTRY: dict[str, KernelSpec] = {
             reference=reference.qk_norm_rope_cat,
             fast=functools.partial(fast.qk_norm_rope_cat, fallback=False),
             example=qk_example,
+            in_auto=False,  # opt-in: measured slower than compile_blocks on the H200 (bench_kernels)
         ),
         KernelSpec(
             "modulate",
@@ -250,6 +260,7 @@ REGISTRY: dict[str, KernelSpec] = {
             reference=reference.modulate,
             fast=functools.partial(fast.modulate, fallback=False),
             example=modulate_example,
+            in_auto=False,  # opt-in: measured slower than compile_blocks on the H200 (bench_kernels)
         ),
         KernelSpec(
             "gated_residual",
@@ -259,6 +270,18 @@ REGISTRY: dict[str, KernelSpec] = {
             reference=reference.gated_residual,
             fast=functools.partial(fast.gated_residual, fallback=False),
             example=gated_example,
+            in_auto=False,  # opt-in: measured slower than compile_blocks on the H200 (bench_kernels)
+        ),
+        KernelSpec(
+            "gated_modulate",
+            "double blocks: the residual update x + gate * y and the LayerNorm + modulation of its result that "
+            "feeds the MLP, in one Triton pass forward and one backward (the residual is recomputed, not kept)",
+            triton_applies,
+            functools.partial(patch.install_block_op, op="gated_modulate"),
+            reference=reference.gated_modulate,
+            fast=functools.partial(fast.gated_modulate, fallback=False),
+            example=gated_modulate_example,
+            in_auto=False,  # opt-in until bench_kernels --blocks shows compiled+kernels beating compile_blocks
         ),
         KernelSpec(
             "compile_blocks",

@@ -1,5 +1,5 @@
-"""Triton kernels: LayerNorm (no affine) + `(1 + scale) * x + shift`, and the gated residual `x + gate * y`
-(imported only by `fast.py`, lazily).
+"""Triton kernels: LayerNorm (no affine) + `(1 + scale) * x + shift`, the gated residual `x + gate * y`, and both
+in one pass where the block modulates the residual it has just updated (imported only by `fast.py`, lazily).
 
 Forward: one program per row (b, tok) over the whole hidden dim C (3072 -> a 4096-wide tile), statistics in fp32,
 one rounding at the end. The reference path writes the LayerNorm output, `1 + scale`, the product and the sum
@@ -11,6 +11,8 @@ are summed by torch afterwards (Liger-Kernel's RMSNorm does the same for its wei
   modulate: g = dy * (1 + scale), dx = rstd * (g - mean(g) - xn * mean(g * xn)), dscale = sum dy * xn,
             dshift = sum dy.
   gated:    dx = dy (no kernel), dy_in = dy * gate, dgate = sum dy * y.
+  gated + modulate (res = x + gate * y, out = modulate(res)): one pass over dres, dout, x, y; the residual is
+            recomputed from x and y rather than kept for backward (see gated_modulate_bwd).
 """
 
 import triton
@@ -117,3 +119,82 @@ def gated_bwd(
             acc += do * y
     if COMPUTE_DGATE:
         tl.store(dg_part_ptr + (b * n_progs + pid) * C + offs, acc, mask=m)
+
+
+@triton.jit
+def gated_modulate_fwd(
+    x_ptr, gate_ptr, y_ptr, shift_ptr, scale_ptr, res_ptr, out_ptr, mean_ptr, rstd_ptr,
+    L, C, sx_b, sx_l, sg_b, sy_b, sy_l, ssh_b, ssc_b, sr_b, sr_l, so_b, so_l, eps,
+    BLOCK_C: tl.constexpr, RTNE: tl.constexpr,
+):  # fmt: skip
+    """res = x + gate * y (rounded once, stored: the residual stream), out = (1 + scale) * LayerNorm(res) + shift."""
+    tok = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    m = offs < C
+    x = tl.load(x_ptr + b * sx_b + tok * sx_l + offs, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + b * sy_b + tok * sy_l + offs, mask=m, other=0.0).to(tl.float32)
+    res = cast(x + g * y, res_ptr.dtype.element_ty, RTNE)
+    tl.store(res_ptr + b * sr_b + tok * sr_l + offs, res, mask=m)
+    r = res.to(tl.float32)  # LayerNorm sees the stored (rounded) residual, as in the unfused block
+    mean = total(r, 0) / C
+    rc = tl.where(m, r - mean, 0.0)
+    rstd = tl.rsqrt(total(rc * rc, 0) / C + eps)
+    sh = tl.load(shift_ptr + b * ssh_b + offs, mask=m, other=0.0).to(tl.float32)
+    sc = tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
+    out = (1.0 + sc) * (rc * rstd) + sh
+    tl.store(out_ptr + b * so_b + tok * so_l + offs, cast(out, out_ptr.dtype.element_ty, RTNE), mask=m)
+    tl.store(mean_ptr + b * L + tok, mean)
+    tl.store(rstd_ptr + b * L + tok, rstd)
+
+
+@triton.jit
+def gated_modulate_bwd(
+    dres_ptr, dout_ptr, x_ptr, gate_ptr, y_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dy_ptr,
+    dg_part_ptr, dsc_part_ptr, dsh_part_ptr,
+    L, C, rows_per_prog, n_progs,
+    sdr_b, sdr_l, sdo_b, sdo_l, sx_b, sx_l, sg_b, sy_b, sy_l, ssc_b, sdx_b, sdx_l, sdy_b, sdy_l,
+    BLOCK_C: tl.constexpr, HAS_DRES: tl.constexpr, COMPUTE_DG: tl.constexpr, COMPUTE_DSS: tl.constexpr,
+    RTNE: tl.constexpr,
+):  # fmt: skip
+    """The residual is recomputed from x and y (both kept for backward anyway) instead of being saved:
+    d = dres + LayerNorm'(dout * (1 + scale)); dx = d, dy = d * gate, dgate = sum d * y, dscale = sum dout * xn,
+    dshift = sum dout, the sums over this program's rows in fp32 registers."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    m = offs < C
+    g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
+    sc1 = 1.0 + tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
+    acc_g = tl.full([BLOCK_C], 0.0, tl.float32)
+    acc_sc = tl.full([BLOCK_C], 0.0, tl.float32)
+    acc_sh = tl.full([BLOCK_C], 0.0, tl.float32)
+    for i in range(0, rows_per_prog):
+        tok = pid * rows_per_prog + i
+        valid = tok < L
+        mv = m & valid
+        x = tl.load(x_ptr + b * sx_b + tok * sx_l + offs, mask=mv, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + b * sy_b + tok * sy_l + offs, mask=mv, other=0.0).to(tl.float32)
+        do = tl.load(dout_ptr + b * sdo_b + tok * sdo_l + offs, mask=mv, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + b * L + tok, mask=valid, other=0.0)
+        rstd = tl.load(rstd_ptr + b * L + tok, mask=valid, other=0.0)
+        r = cast(x + g * y, dx_ptr.dtype.element_ty, RTNE).to(tl.float32)
+        xn = tl.where(mv, (r - mean) * rstd, 0.0)
+        gg = do * sc1
+        d = rstd * (gg - total(gg, 0) / C - xn * (total(gg * xn, 0) / C))
+        if HAS_DRES:
+            d += tl.load(dres_ptr + b * sdr_b + tok * sdr_l + offs, mask=mv, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + b * sdx_b + tok * sdx_l + offs, cast(d, dx_ptr.dtype.element_ty, RTNE), mask=mv)
+        tl.store(dy_ptr + b * sdy_b + tok * sdy_l + offs, cast(d * g, dy_ptr.dtype.element_ty, RTNE), mask=mv)
+        if COMPUTE_DG:
+            acc_g += d * y
+        if COMPUTE_DSS:
+            acc_sc += do * xn
+            acc_sh += do
+    part = (b * n_progs + pid) * C
+    if COMPUTE_DG:
+        tl.store(dg_part_ptr + part + offs, acc_g, mask=m)
+    if COMPUTE_DSS:
+        tl.store(dsc_part_ptr + part + offs, acc_sc, mask=m)
+        tl.store(dsh_part_ptr + part + offs, acc_sh, mask=m)

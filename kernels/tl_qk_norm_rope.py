@@ -1,10 +1,12 @@
 """Triton kernels: QK-RMSNorm + RoPE in one pass over q and k (imported only by `fast.py`, lazily).
 
-One program per token (b, tok): it loads the token's `pe` row once (D/2 2x2 matrices) and all H heads of q and k
-as [H, D/2] tiles of even and odd elements, so RoPE's pairs (x[2i], x[2i+1]) sit in the same lane. Per head:
-fp32 RMS, times the fp32 scale, rounded to the output dtype (QKNorm returns that dtype and apply_rope reads it
-back as fp32: rounding here keeps the forward bit-compatible), then rotated and stored once. The reference
-path reads q/k about ten times in fp32; this reads them once and writes once.
+A program owns a [BLOCK_T tokens, BLOCK_H heads, D] tile of q and the same tile of k. Each (token, head) row of
+D elements is contiguous in memory (q/k are views of the qkv projection, the outputs are [B, H, L, D]), so rows
+are loaded and stored whole, in 16-byte vectors; RoPE's pairs (x[2i], x[2i+1]) are separated in registers with
+`tl.split` and put back with `tl.join` instead of stride-2 loads. The tokens' `pe` rows (D/2 2x2 fp32 matrices)
+are loaded once per tile and shared by its heads. Per row: fp32 RMS, times the fp32 scale, rounded to the output
+dtype (QKNorm returns that dtype and apply_rope reads it back as fp32: rounding here keeps the forward
+bit-compatible with sd-scripts), rotated, stored once. The reference path reads q/k about ten times in fp32.
 
 Backward recomputes rrms from x (cheaper than storing it) and uses the rotation's transpose:
   dy = R^T dout,  g = dy * w,  dx = rrms * g - x * rrms^3 * mean(g * x),  dw = sum over rows of dy * x * rrms.
@@ -18,32 +20,29 @@ from flux_kernels.tl_common import cast, total
 
 
 @triton.jit
-def _load_pe(pe_row, offs_j, mask_j):
-    base = pe_row + offs_j * 4
-    f00 = tl.load(base + 0, mask=mask_j, other=0.0)
-    f01 = tl.load(base + 1, mask=mask_j, other=0.0)
-    f10 = tl.load(base + 2, mask=mask_j, other=0.0)
-    f11 = tl.load(base + 3, mask=mask_j, other=0.0)
-    return f00[None, :], f01[None, :], f10[None, :], f11[None, :]
+def _pe_tile(pe_row0, s_l, offs_t, mask_t, BLOCK_T: tl.constexpr, HALF: tl.constexpr):
+    """The rotation entries f[r][c] of BLOCK_T tokens as [BLOCK_T, 1, HALF] tiles (pe is [..., L, HALF, 2, 2])."""
+    offs = offs_t[:, None, None] * s_l + tl.arange(0, HALF)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    p = tl.load(pe_row0 + offs, mask=mask_t[:, None, None], other=0.0)
+    c0, c1 = tl.split(tl.reshape(p, [BLOCK_T, HALF, 2, 2]))  # column 0 / 1 of each 2x2, indexed by row
+    f00, f10 = tl.split(c0)
+    f01, f11 = tl.split(c1)
+    return f00[:, None, :], f01[:, None, :], f10[:, None, :], f11[:, None, :]
 
 
 @triton.jit
 def _fwd_tile(
-    x_row, s_h, w_ptr, o_row, so_h, f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps,
-    D: tl.constexpr, RTNE: tl.constexpr,
+    x_ptr, x_offs, w_ptr, o_ptr, o_offs, mask, f00, f01, f10, f11, eps,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
-    ptr = x_row + offs_h[:, None] * s_h + 2 * offs_j[None, :]
-    xe = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    xo = tl.load(ptr + 1, mask=mask, other=0.0).to(tl.float32)
-    rrms = tl.rsqrt((total(xe * xe, 1) + total(xo * xo, 1)) / D + eps)[:, None]
-    we = tl.load(w_ptr + 2 * offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-    wo = tl.load(w_ptr + 2 * offs_j + 1, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-    out_ty = o_row.dtype.element_ty
-    ye = cast((xe * rrms) * we, out_ty, RTNE).to(tl.float32)
-    yo = cast((xo * rrms) * wo, out_ty, RTNE).to(tl.float32)
-    optr = o_row + offs_h[:, None] * so_h + 2 * offs_j[None, :]
-    tl.store(optr, cast(f00 * ye + f01 * yo, out_ty, RTNE), mask=mask)
-    tl.store(optr + 1, cast(f10 * ye + f11 * yo, out_ty, RTNE), mask=mask)
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    rrms = tl.rsqrt(total(x * x, 2) / D + eps)[:, :, None]
+    w = tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)[None, None, :]
+    out_ty = o_ptr.dtype.element_ty
+    y = cast((x * rrms) * w, out_ty, RTNE).to(tl.float32)
+    ye, yo = tl.split(tl.reshape(y, [BLOCK_T, BLOCK_H, HALF, 2]))
+    out = tl.reshape(tl.join(f00 * ye + f01 * yo, f10 * ye + f11 * yo), [BLOCK_T, BLOCK_H, D])
+    tl.store(o_ptr + o_offs, cast(out, out_ty, RTNE), mask=mask)
 
 
 @triton.jit
@@ -54,50 +53,42 @@ def qk_norm_rope_fwd(
     so_b, so_h, so_l,
     spe_b, spe_l,
     eps,
-    D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, RTNE: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
-    tok = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_j = tl.arange(0, BLOCK_J)
-    mask_j = offs_j < HALF
-    mask = (offs_h[:, None] < H) & mask_j[None, :]
-    f00, f01, f10, f11 = _load_pe(pe_ptr + b * spe_b + (l_off + tok) * spe_l, offs_j, mask_j)
-    o_off = b * so_b + (l_off + tok) * so_l
-    _fwd_tile(q_ptr + b * sq_b + tok * sq_l, sq_h, qw_ptr, qo_ptr + o_off, so_h,
-              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, RTNE)  # fmt: skip
-    _fwd_tile(k_ptr + b * sk_b + tok * sk_l, sk_h, kw_ptr, ko_ptr + o_off, so_h,
-              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, RTNE)  # fmt: skip
+    HALF: tl.constexpr = D // 2
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    b = tl.program_id(2).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    mask_t = offs_t < L
+    mask = mask_t[:, None, None] & (offs_h < H)[None, :, None] & (offs_d < D)[None, None, :]
+    f00, f01, f10, f11 = _pe_tile(pe_ptr + b * spe_b + l_off * spe_l, spe_l, offs_t, mask_t, BLOCK_T, HALF)
+    t3, h3, d3 = offs_t[:, None, None], offs_h[None, :, None], offs_d[None, None, :]
+    o_offs = b * so_b + (l_off + t3) * so_l + h3 * so_h + d3
+    _fwd_tile(q_ptr, b * sq_b + t3 * sq_l + h3 * sq_h + d3, qw_ptr, qo_ptr, o_offs, mask,
+              f00, f01, f10, f11, eps, BLOCK_T, BLOCK_H, D, HALF, RTNE)  # fmt: skip
+    _fwd_tile(k_ptr, b * sk_b + t3 * sk_l + h3 * sk_h + d3, kw_ptr, ko_ptr, o_offs, mask,
+              f00, f01, f10, f11, eps, BLOCK_T, BLOCK_H, D, HALF, RTNE)  # fmt: skip
 
 
 @triton.jit
 def _bwd_tile(
-    x_row, s_h, w_ptr, do_row, sdo_h, dx_row, sdx_h, dw_row,
-    f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps,
-    D: tl.constexpr, COMPUTE_DW: tl.constexpr, RTNE: tl.constexpr,
+    x_ptr, x_offs, w_ptr, do_ptr, do_offs, dx_ptr, dx_offs, dw_ptr, mask, f00, f01, f10, f11, eps,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
-    ptr = x_row + offs_h[:, None] * s_h + 2 * offs_j[None, :]
-    xe = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    xo = tl.load(ptr + 1, mask=mask, other=0.0).to(tl.float32)
-    rrms = tl.rsqrt((total(xe * xe, 1) + total(xo * xo, 1)) / D + eps)[:, None]
-    dptr = do_row + offs_h[:, None] * sdo_h + 2 * offs_j[None, :]
-    de = tl.load(dptr, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(dptr + 1, mask=mask, other=0.0).to(tl.float32)
-    dye = f00 * de + f10 * do
-    dyo = f01 * de + f11 * do
-    we = tl.load(w_ptr + 2 * offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-    wo = tl.load(w_ptr + 2 * offs_j + 1, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-    ge = dye * we
-    go = dyo * wo
-    c = ((total(ge * xe, 1) + total(go * xo, 1)) / D)[:, None]
-    r3 = rrms * rrms * rrms
-    out_ty = dx_row.dtype.element_ty
-    xptr = dx_row + offs_h[:, None] * sdx_h + 2 * offs_j[None, :]
-    tl.store(xptr, cast(rrms * ge - xe * r3 * c, out_ty, RTNE), mask=mask)
-    tl.store(xptr + 1, cast(rrms * go - xo * r3 * c, out_ty, RTNE), mask=mask)
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    rrms = tl.rsqrt(total(x * x, 2) / D + eps)[:, :, None]
+    do = tl.load(do_ptr + do_offs, mask=mask, other=0.0).to(tl.float32)
+    de, dd = tl.split(tl.reshape(do, [BLOCK_T, BLOCK_H, HALF, 2]))
+    dy = tl.reshape(tl.join(f00 * de + f10 * dd, f01 * de + f11 * dd), [BLOCK_T, BLOCK_H, D])  # R^T dout
+    w = tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)[None, None, :]
+    g = dy * w
+    c = (total(g * x, 2) / D)[:, :, None]
+    dx = rrms * g - x * (rrms * rrms * rrms) * c
+    tl.store(dx_ptr + dx_offs, cast(dx, dx_ptr.dtype.element_ty, RTNE), mask=mask)
     if COMPUTE_DW:
-        tl.store(dw_row + 2 * offs_j, total(dye * xe * rrms, 0), mask=mask_j)
-        tl.store(dw_row + 2 * offs_j + 1, total(dyo * xo * rrms, 0), mask=mask_j)
+        tl.store(dw_ptr + tl.arange(0, D), total(total(dy * x * rrms, 0), 0))
 
 
 @triton.jit
@@ -109,21 +100,24 @@ def qk_norm_rope_bwd(
     sd_b, sd_h, sd_l,
     spe_b, spe_l,
     eps,
-    D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    RTNE: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, COMPUTE_DW: tl.constexpr, RTNE: tl.constexpr,
 ):  # fmt: skip
-    tok = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_j = tl.arange(0, BLOCK_J)
-    mask_j = offs_j < HALF
-    mask = (offs_h[:, None] < H) & mask_j[None, :]
-    f00, f01, f10, f11 = _load_pe(pe_ptr + b * spe_b + (l_off + tok) * spe_l, offs_j, mask_j)
-    row = b * L + tok  # this token's row in the [B*L, D] partial-dw buffers
-    d_off = b * sd_b + tok * sd_l
-    _bwd_tile(q_ptr + b * sq_b + tok * sq_l, sq_h, qw_ptr, dqo_ptr + b * sdqo_b + (l_off + tok) * sdqo_l, sdqo_h,
-              dq_ptr + d_off, sd_h, dqw_ptr + row * D,
-              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, COMPUTE_DW, RTNE)  # fmt: skip
-    _bwd_tile(k_ptr + b * sk_b + tok * sk_l, sk_h, kw_ptr, dko_ptr + b * sdko_b + (l_off + tok) * sdko_l, sdko_h,
-              dk_ptr + d_off, sd_h, dkw_ptr + row * D,
-              f00, f01, f10, f11, offs_h, offs_j, mask, mask_j, eps, D, COMPUTE_DW, RTNE)  # fmt: skip
+    HALF: tl.constexpr = D // 2
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    mask_t = offs_t < L
+    mask = mask_t[:, None, None] & (offs_h < H)[None, :, None] & (offs_d < D)[None, None, :]
+    f00, f01, f10, f11 = _pe_tile(pe_ptr + b * spe_b + l_off * spe_l, spe_l, offs_t, mask_t, BLOCK_T, HALF)
+    t3, h3, d3 = offs_t[:, None, None], offs_h[None, :, None], offs_d[None, None, :]
+    d_offs = b * sd_b + t3 * sd_l + h3 * sd_h + d3
+    part = ((b * tl.num_programs(1) + pid_h) * tl.num_programs(0) + pid_t) * D  # this tile's row of dw partials
+    _bwd_tile(q_ptr, b * sq_b + t3 * sq_l + h3 * sq_h + d3, qw_ptr,
+              dqo_ptr, b * sdqo_b + (l_off + t3) * sdqo_l + h3 * sdqo_h + d3, dq_ptr, d_offs, dqw_ptr + part,
+              mask, f00, f01, f10, f11, eps, BLOCK_T, BLOCK_H, D, HALF, COMPUTE_DW, RTNE)  # fmt: skip
+    _bwd_tile(k_ptr, b * sk_b + t3 * sk_l + h3 * sk_h + d3, kw_ptr,
+              dko_ptr, b * sdko_b + (l_off + t3) * sdko_l + h3 * sdko_h + d3, dk_ptr, d_offs, dkw_ptr + part,
+              mask, f00, f01, f10, f11, eps, BLOCK_T, BLOCK_H, D, HALF, COMPUTE_DW, RTNE)  # fmt: skip

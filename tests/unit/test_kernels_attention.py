@@ -127,10 +127,56 @@ def test_dispatch_probes_once_per_shape_and_uses_the_choice(tmp_path):
     out = dispatch(q, k, v, None)
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
     assert dispatch.choice == {(SHAPE, SHAPE[2], torch.float32, torch.device("cpu"), False): "counting"}
-    assert dispatch.by_kind == {(torch.float32, False): "counting"}  # what traced (compiled) code uses
     n = len(calls)
     dispatch(q, k, v, None)
     assert len(calls) == n + 1  # no second probe
+
+
+def test_traced_code_uses_a_choice_only_at_its_own_shape(tmp_path, monkeypatch):
+    """A choice made at a tiny shape (verify_blocks, perhaps on the CPU, where the math backend wins) must not
+    leak into compiled code at the real shape: math there materialises [B, H, L, L] fp32 weights per block."""
+    calls = []
+
+    def counting(q, k, v, mask):
+        calls.append(tuple(q.shape))
+        return _math(q, k, v, mask)
+
+    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends={"counting": AttentionBackend(
+        "counting", counting, cuda_only=False)})  # fmt: skip
+    tiny = [torch.randn(SHAPE) for _ in range(3)]
+    dispatch(*tiny, None)  # eager: probes, chooses "counting"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    big = [torch.randn(1, 2, 47, 16) for _ in range(3)]
+    calls.clear()
+    out = dispatch(*big, None)
+    assert calls == [] and torch.allclose(out, F.scaled_dot_product_attention(*big), atol=1e-5)  # PyTorch's own
+    dispatch(*tiny, None)
+    assert calls == [SHAPE]  # the exact shape it was chosen for
+    assert len(dispatch.choice) == 1  # tracing never probes
+
+
+def test_probe_at_first_call_is_isolated_from_the_callers_autograd_state(tmp_path):
+    """The first call at a shape probes inside the caller's forward: under gradient checkpointing (saved-tensor
+    hooks), no_grad or autocast. None of it may reach the probe, or the checkpointed forward and its
+    recomputation save different tensors (CheckpointError), or the probe's verdict depends on the context."""
+    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends={"math": FAKES["math"]})
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    q, k, v = (torch.randn(SHAPE) for _ in range(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.no_grad():
+        dispatch(q, k, v, None)
+    assert packed == [] and dispatch.choice  # probed, nothing saved through the caller's hooks, verdict "math"
+    assert list(dispatch.choice.values()) == ["math"]
+
+    q, k, v = (torch.randn(SHAPE, requires_grad=True) for _ in range(3))
+    fresh = AttentionDispatch(cache_path=tmp_path / "d.json", backends={"math": FAKES["math"]})
+    out = torch.utils.checkpoint.checkpoint(fresh, q, k, v, None, use_reentrant=False)
+    out.sum().backward()  # the first call probed inside the checkpointed forward; the recomputation did not
+    assert q.grad is not None and len(fresh.choice) == 1
 
 
 def test_backend_result_is_plain_data():

@@ -210,20 +210,24 @@ def sig(fn, consts):
     return {n: ty(n) for n in fn.arg_names}
 
 
-qk = dict(D=128, HALF=64, BLOCK_H=32, BLOCK_J=64, RTNE=False)
-row = dict(BLOCK_C=4096, RTNE=False)
-cases = [
-    (tq.qk_norm_rope_fwd, qk),
-    (tq.qk_norm_rope_bwd, {**qk, "COMPUTE_DW": True}),
-    (tm.modulate_fwd, row),
-    (tm.modulate_bwd, {**row, "COMPUTE_DSS": True}),
-    (tm.gated_fwd, row),
-    (tm.gated_bwd, {**row, "COMPUTE_DGATE": True}),
+qk = dict(D=128, BLOCK_T=4, BLOCK_H=8, RTNE=False)  # FLUX: 24 heads in groups of 8, 4 tokens per program
+row = dict(BLOCK_C=4096, RTNE=False)  # hidden 3072
+cases = [  # (kernel, constexprs, num_warps as flux_kernels._launch launches them)
+    (tq.qk_norm_rope_fwd, qk, 8),
+    (tq.qk_norm_rope_bwd, {**qk, "COMPUTE_DW": True}, 8),
+    (tm.modulate_fwd, row, 8),
+    (tm.modulate_bwd, {**row, "COMPUTE_DSS": True}, 16),
+    (tm.gated_fwd, row, 8),
+    (tm.gated_bwd, {**row, "COMPUTE_DGATE": True}, 16),
+    (tm.gated_modulate_fwd, row, 8),
+    (tm.gated_modulate_bwd, {**row, "HAS_DRES": True, "COMPUTE_DG": True, "COMPUTE_DSS": True}, 16),
 ]
 for cap in map(int, sys.argv[1:]):
-    for fn, consts in cases:
+    for fn, consts, warps in cases:
         target = GPUTarget("cuda", cap, 32)
-        triton.compile(ASTSource(fn, sig(fn, consts), consts), target=target, options={"num_warps": 8})
+        k = triton.compile(ASTSource(fn, sig(fn, consts), consts), target=target, options={"num_warps": warps})
+        spills = k.n_spills if hasattr(k, "n_spills") else k.metadata.get("n_spills", 0) if hasattr(k.metadata, "get") else 0
+        print(cap, fn.__name__, "regs", getattr(k, "n_regs", "?"), "spills", spills)
 """
 
 
