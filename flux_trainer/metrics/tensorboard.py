@@ -37,6 +37,23 @@ def write_run_text(logdir: str | os.PathLike[str], texts: Mapping[str, str], ste
             writer.add_text(f"{TEXT_PREFIX}{key}", f"{_FENCE_OPEN}{text}{_FENCE_CLOSE}", global_step=step)
 
 
+def write_images(logdir: str | os.PathLike[str], images: Mapping[str, os.PathLike[str] | str], step: int) -> None:
+    """PNG files (sd-scripts' samples) as TensorBoard images, tag -> file, at ``step``."""
+    import numpy as np
+    from PIL import Image
+
+    with _writer(logdir) as writer:
+        for tag, path in images.items():
+            with Image.open(path) as im:
+                writer.add_image(tag, np.asarray(im.convert("RGB")), global_step=step, dataformats="HWC")
+
+
+def read_images(logdir: str | os.PathLike[str]) -> dict[str, list[tuple[int, int, int]]]:
+    """tag -> [(step, width, height)] of the images in ``logdir``."""
+    acc = _accumulator(logdir)
+    return {tag: [(e.step, e.width, e.height) for e in acc.Images(tag)] for tag in acc.Tags().get("images", [])}
+
+
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, float | int | str]:
     """Nested mapping -> ``{"network.rank": 16, ...}`` with values the HParams dashboard can compare.
 

@@ -24,6 +24,7 @@ class RunHooks:
         self.slowdown = None
         self.kernels_installed: list[str] = []
         self._texts_written = False
+        self._samples_logged: set[str] = set()
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -56,9 +57,23 @@ class RunHooks:
             log.warning(msg)
         return tags
 
+    def log_new_samples(self, accelerator: Any, sample_dir: Path, global_step: int) -> list[str]:
+        """Images sd-scripts just rendered into <output_dir>/sample, as TensorBoard images (`samples/<n>`)."""
+        if not getattr(accelerator, "is_main_process", True) or not sample_dir.is_dir():
+            return []
+        new = sorted(p for p in sample_dir.glob("*.png") if p.name not in self._samples_logged)
+        logdir = tracker_logdir(accelerator)
+        if not new or logdir is None:
+            return []
+        from flux_trainer.metrics.tensorboard import write_images
+
+        write_images(logdir, {f"samples/{i:02d}": path for i, path in enumerate(new)}, global_step)
+        self._samples_logged.update(p.name for p in new)
+        return [p.name for p in new]
+
     def write_run_texts(self, accelerator: Any) -> None:
         """Config, command, environment profile, GPU and kernels as TensorBoard text, in sd-scripts' run."""
-        from flux_trainer.metrics.tensorboard import write_run_text
+        from flux_trainer.metrics.tensorboard import write_hparams, write_run_text
 
         logdir = tracker_logdir(accelerator)
         if logdir is None:
@@ -67,6 +82,11 @@ class RunHooks:
         texts["gpu"] = device_name(accelerator.device)
         texts["kernels"] = ", ".join(self.kernels_installed) or "none (plain sd-scripts compute path)"
         write_run_text(logdir, texts)
+        if (self.run_dir / "config.yaml").exists():
+            import yaml
+
+            config = yaml.safe_load((self.run_dir / "config.yaml").read_text())
+            write_hparams(logdir, config, {"loss/average": None, "time/step_s": None, "vram/peak_gib": None})
 
 
 def tracker_logdir(accelerator: Any) -> str | None:

@@ -84,6 +84,11 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
                 self.flux_train.step_start()
             return super().on_step_start(args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train)
 
+        def sample_images(self, accelerator, args, epoch, global_step, *rest):
+            result = super().sample_images(accelerator, args, epoch, global_step, *rest)
+            self.flux_train.log_new_samples(accelerator, Path(args.output_dir) / "sample", global_step)
+            return result
+
         def step_logging(self, accelerator, logs, global_step, epoch):
             logs.update(self.flux_train.step_end(accelerator, logs, global_step))
             super().step_logging(accelerator, logs, global_step, epoch)

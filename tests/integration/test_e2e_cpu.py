@@ -51,6 +51,11 @@ def trained(tmp_path_factory):
         "train.save_every_n_steps=1",
         "train.data_loader_workers=0",
         "memory=cpu",
+        "sample.prompts=[a flat colour square]",
+        "sample.every_n_steps=2",
+        "sample.steps=2",
+        "sample.width=64",
+        "sample.height=64",
     ]
     if not shutil.which("flux-train"):
         cmd = [sys.executable, "-m", "flux_trainer.cli", *cmd[1:]]
@@ -100,7 +105,22 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     assert "time/step_s" in scalars and scalars["time/step_s"][-1][1] > 0
     assert "vram/peak_gib" in scalars  # 0.0 on CPU: there is no device memory to read
     assert "host/ram_gib" in scalars and scalars["host/ram_gib"][-1][1] > 0.1
-    assert any("config" in t for t in texts) and any("mychar" not in v for v in texts.values())
+    assert any("config" in t for t in texts) and "tiny" in texts["run/config"]
+    assert "accelerate.commands.launch" in texts["run/command"] and texts["run/kernels"]
+
+
+def test_samples_and_hparams_in_tensorboard(trained):
+    from flux_trainer.metrics.tensorboard import read_hparams, read_images
+
+    run_dir = trained.run_dir
+    assert sorted((run_dir / "sample").glob("*.png")), "sd-scripts rendered no sample"
+    images, hparams = {}, {}
+    for d in {p.parent for p in (run_dir / "tb").rglob("events.out.tfevents.*")}:
+        images.update(read_images(d))
+        hparams.update(read_hparams(d))
+    (tag,) = images
+    assert tag.startswith("samples/") and images[tag][0] == (2, 64, 64)
+    assert hparams["network.rank"] == 16 and hparams["dataset.resolution"] == 128
 
 
 def test_saved_state_allows_resume(trained):
