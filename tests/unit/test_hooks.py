@@ -1,0 +1,59 @@
+"""The runner's hook logic without sd-scripts: metrics per step, NaN guard, exit codes past accelerate."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from flux_trainer.metrics.health import LossGuard, SlowdownDetector
+from flux_trainer.metrics.step import StepMetrics
+from flux_trainer.sdscripts.hooks import NonFiniteLoss, RunHooks
+from flux_trainer.sdscripts.runner import EXIT_FILE, RunnerSpec, child_exit_code
+
+
+class FakeAccelerator:
+    device = SimpleNamespace(type="cpu")
+    is_main_process = True
+
+    def get_tracker(self, *_a, **_k):
+        raise ValueError("no tracker in this test")
+
+
+def hooks(tmp_path, clock):
+    spec = RunnerSpec(sd_scripts="", train_toml="", dataset_toml="")
+    h = RunHooks(spec, tmp_path)
+    h.metrics = StepMetrics("cpu", flops_per_step=2e12, images_per_step=1, clock=clock, nvml=None)
+    h.metrics.start()
+    h.loss_guard, h.slowdown = LossGuard(patience=3), SlowdownDetector(nvml=None)
+    return h
+
+
+def test_step_tags_come_from_the_clock(tmp_path):
+    t = iter([0.0, 0.5, 2.0])
+    h = hooks(tmp_path, lambda: next(t))
+    h.step_start()  # batch arrived at 0.5
+    tags = h.step_end(FakeAccelerator(), {"loss/current": 0.3}, 1)
+    assert tags["time/step_s"] == pytest.approx(2.0) and tags["time/data_s"] == pytest.approx(0.5)
+    assert tags["throughput/tflops"] == pytest.approx(1.0) and tags["vram/peak_gib"] == 0.0
+
+
+def test_nan_loss_stops_after_patience(tmp_path):
+    t = iter(float(i) for i in range(100))
+    h = hooks(tmp_path, lambda: next(t))
+    h.step_end(FakeAccelerator(), {"loss/current": 0.5}, 1)
+    h.step_end(FakeAccelerator(), {"loss/current": math.nan}, 2)
+    h.step_end(FakeAccelerator(), {"loss/current": math.inf}, 3)
+    with pytest.raises(NonFiniteLoss) as info:
+        h.step_end(FakeAccelerator(), {"loss/current": math.nan}, 4)
+    assert "step" in str(info.value) and "resume=auto" in str(info.value)
+
+
+def test_child_exit_code_survives_accelerate(tmp_path):
+    assert child_exit_code(tmp_path, 1) == 1  # nothing recorded
+    (tmp_path / EXIT_FILE).write_text(json.dumps({"code": 3, "reason": "nan"}))
+    assert child_exit_code(tmp_path, 1) == 3
+    assert child_exit_code(tmp_path, 0) == 0
+    assert child_exit_code(tmp_path, 130) == 3
