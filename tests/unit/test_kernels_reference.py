@@ -56,6 +56,8 @@ def test_modulate_and_gated_residual_match_block_expressions(dtype):
     ln = torch.nn.LayerNorm(96, elementwise_affine=False, eps=1e-6)
     assert torch.equal(reference.modulate(x, shift, scale), (1 + scale) * ln(x) + shift)
     assert torch.equal(reference.gated_residual(x, gate, y), x + gate * y)
+    res, out = reference.gated_modulate(x, gate, y, shift, scale)  # the double block's residual + norm2 input
+    assert torch.equal(res, x + gate * y) and torch.equal(out, (1 + scale) * ln(x + gate * y) + shift)
 
 
 def _blocks(fm, dtype):
