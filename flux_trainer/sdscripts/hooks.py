@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("flux_trainer.runner")
+RANK_REDUCE_EVERY = 25  # steps between the max-over-ranks VRAM collective (one gather + one host copy)
 RUN_TEXT_FILES = {"config": "config.yaml", "command": "command.txt", "environment": "env.json"}
 
 
@@ -25,6 +26,8 @@ class RunHooks:
         self.kernels_installed: list[str] = []
         self._texts_written = False
         self._samples_logged: set[str] = set()
+        self._micro_steps = 0
+        self._ranks_peak: dict[str, float] = {}
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -38,9 +41,23 @@ class RunHooks:
             self.loss_guard = LossGuard(patience=3)
             self.slowdown = SlowdownDetector(nvml=self.metrics.nvml)
 
-    def step_start(self) -> None:
-        if self.metrics is not None:
-            self.metrics.mark_data_ready()
+    def step_start(self, accelerator: Any = None) -> None:
+        """Runs on every rank: the data-wait mark, and every RANK_REDUCE_EVERY micro-steps the peak VRAM of the
+        busiest rank (a collective, so it cannot live in step_logging, which sd-scripts calls on rank 0 only)."""
+        if self.metrics is None:
+            return
+        self.metrics.mark_data_ready()
+        self._micro_steps += 1
+        if accelerator is not None and getattr(accelerator, "num_processes", 1) > 1:
+            if self._micro_steps % RANK_REDUCE_EVERY == 0:
+                from flux_trainer.metrics.step import reduce_max_across_ranks
+
+                peak = run_peak_gib(accelerator.device)
+                self._ranks_peak = {
+                    "vram/peak_gib_max_over_ranks": reduce_max_across_ranks({"vram/peak_gib": peak}, accelerator)[
+                        "vram/peak_gib"
+                    ]
+                }
 
     def step_end(self, accelerator: Any, logs: dict, global_step: int) -> dict[str, float]:
         """Tags to add to sd-scripts' logs for this step. Runs on the main process only (sd-scripts tracks there)."""
@@ -50,6 +67,8 @@ class RunHooks:
             self._texts_written = True
             self.write_run_texts(accelerator)
         tags = self.metrics.on_step_end(global_step)
+        tags.update(self._ranks_peak)
+        self._ranks_peak = {}
         if "loss/current" in logs and (msg := self.loss_guard.check(float(logs["loss/current"]), global_step)):
             log.error(msg)
             raise NonFiniteLoss(msg + f"; the last saved state in {self.run_dir} is intact (resume=auto)")
@@ -87,6 +106,15 @@ class RunHooks:
 
             config = yaml.safe_load((self.run_dir / "config.yaml").read_text())
             write_hparams(logdir, config, {"loss/average": None, "time/step_s": None, "vram/peak_gib": None})
+
+
+def run_peak_gib(device: Any) -> float:
+    """This process's peak allocated device memory since the last reset, in GiB (0 off CUDA)."""
+    import torch
+
+    if getattr(device, "type", "") != "cuda":
+        return 0.0
+    return torch.cuda.max_memory_allocated(device) / 2**30
 
 
 def tracker_logdir(accelerator: Any) -> str | None:

@@ -57,3 +57,27 @@ def test_child_exit_code_survives_accelerate(tmp_path):
     assert child_exit_code(tmp_path, 1) == 3
     assert child_exit_code(tmp_path, 0) == 0
     assert child_exit_code(tmp_path, 130) == 3
+
+
+def test_max_vram_over_ranks_every_n_micro_steps(tmp_path, monkeypatch):
+    import torch
+
+    from flux_trainer.sdscripts import hooks as hooks_mod
+
+    class TwoRanks(FakeAccelerator):
+        num_processes = 2
+        device = torch.device("cpu")
+
+        def gather(self, t):
+            return torch.cat([t, t + 5.0])  # the other rank peaks 5 GiB higher
+
+    monkeypatch.setattr(hooks_mod, "RANK_REDUCE_EVERY", 2)
+    monkeypatch.setattr(hooks_mod, "run_peak_gib", lambda device: 10.0)
+    t = iter(float(i) for i in range(100))
+    h = hooks(tmp_path, lambda: next(t))
+    h.step_start(TwoRanks())
+    assert "vram/peak_gib_max_over_ranks" not in h.step_end(TwoRanks(), {"loss/current": 1.0}, 1)
+    h.step_start(TwoRanks())
+    assert h.step_end(TwoRanks(), {"loss/current": 1.0}, 2)["vram/peak_gib_max_over_ranks"] == 15.0
+    h.step_start(TwoRanks())
+    assert "vram/peak_gib_max_over_ranks" not in h.step_end(TwoRanks(), {"loss/current": 1.0}, 3)
