@@ -250,7 +250,7 @@ REGISTRY: dict[str, KernelSpec] = {
             reference=reference.qk_norm_rope_cat,
             fast=functools.partial(fast.qk_norm_rope_cat, fallback=False),
             example=qk_example,
-            in_auto=False,  # opt-in: measured slower than compile_blocks on the H200 (bench_kernels)
+            in_auto=False,  # opt-in until bench_kernels --blocks shows compiled+kernels beating compile_blocks
         ),
         KernelSpec(
             "modulate",
@@ -260,7 +260,7 @@ REGISTRY: dict[str, KernelSpec] = {
             reference=reference.modulate,
             fast=functools.partial(fast.modulate, fallback=False),
             example=modulate_example,
-            in_auto=False,  # opt-in: measured slower than compile_blocks on the H200 (bench_kernels)
+            in_auto=False,  # opt-in until bench_kernels --blocks shows compiled+kernels beating compile_blocks
         ),
         KernelSpec(
             "gated_residual",
@@ -270,7 +270,7 @@ REGISTRY: dict[str, KernelSpec] = {
             reference=reference.gated_residual,
             fast=functools.partial(fast.gated_residual, fallback=False),
             example=gated_example,
-            in_auto=False,  # opt-in: measured slower than compile_blocks on the H200 (bench_kernels)
+            in_auto=False,  # opt-in until bench_kernels --blocks shows compiled+kernels beating compile_blocks
         ),
         KernelSpec(
             "gated_modulate",

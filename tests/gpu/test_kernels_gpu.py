@@ -154,7 +154,7 @@ def block_inputs(dev, kind, lt=512, li=4096, mask=False):
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(dev, BF16).requires_grad_()
 
-    pe = reference.make_pe(1, lt + li, 128, device=dev)
+    pe = reference.make_pe(1, lt + li, 128, device=dev, generator=gen)  # the same pe on every call
     m = None
     if mask:
         m = torch.ones(1, lt, device=dev, dtype=torch.long)
@@ -208,7 +208,8 @@ def test_full_size_blocks_patched_match_sd_scripts(dev, fm, mask):
 def test_full_size_compiled_blocks_keep_no_more_than_sd_scripts_compiled(dev, fm, capsys):
     """The OOM of the kernels=auto training run: compiled patched blocks used the attention backend chosen at
     verify_blocks' tiny shape (math there) and kept [1, 24, 4608, 4608] fp32 weights per block. Now: what they keep
-    for backward, and their peak, are sd-scripts' compiled blocks' or less."""
+    for backward is sd-scripts' compiled blocks' or less, and one block's peak at most 128 MiB above (transients of
+    a backward, which occur once per step, not once per block)."""
     model = flux_blocks(fm, dev)
     blocks = {"double": model.double_blocks[0], "single": model.single_blocks[0]}
     for b in blocks.values():
@@ -225,8 +226,8 @@ def test_full_size_compiled_blocks_keep_no_more_than_sd_scripts_compiled(dev, fm
             with capsys.disabled():
                 print(f"\n  {kind} block compiled, MiB kept for backward (peak): sd-scripts {mib[0]} ({mib[1]}), "
                       f"with the kernels {mib[2]} ({mib[3]})")  # fmt: skip
-            assert saved <= 1.01 * want[kind][0], (kind, saved, want[kind][0])
-            assert peak <= 1.05 * want[kind][1], (kind, peak, want[kind][1])
+            assert saved <= 1.01 * want[kind][0], (kind, saved, want[kind][0])  # summed over the 57 blocks
+            assert peak <= want[kind][1] + 128 * 2**20, (kind, peak, want[kind][1])  # one block's transients
     finally:
         patch.remove_kernels(model)
         torch._dynamo.reset()
