@@ -15,8 +15,6 @@ from the peak table is measured and reported without a verdict.
 
 from __future__ import annotations
 
-import statistics
-
 from flux_trainer.doctor_core import PASS, SKIP, WARN, CheckResult, one_line
 from flux_trainer.launch.device import DeviceInfo
 from flux_trainer.metrics.flops import flux_step_flops, peak_bf16_tflops
@@ -33,17 +31,9 @@ def _time_ms(fn, warmup: int, reps: int) -> float:
     """Median milliseconds of `fn` with CUDA events (the GPU's own clock: no host-side launch overhead)."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    from flux_kernels.timing import median_ms
+
+    return median_ms(fn, torch.device("cuda"), warmup, reps)
 
 
 def verdict(check: str, measured: float, expected: float | None, what: str, data: dict) -> CheckResult:

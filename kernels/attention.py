@@ -14,10 +14,8 @@ import importlib.util
 import json
 import logging
 import os
-import statistics
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_kernels.device import as_device_info
+from flux_kernels.timing import median_ms
 
 log = logging.getLogger(__name__)
 
@@ -215,25 +214,6 @@ def _rel_err(got: Sequence[Tensor], want: Sequence[Tensor]) -> float:
     return float("nan") if any(e != e for e in errs) else max(errs)
 
 
-def _time_ms(fn, dev: torch.device, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def probe_attention(
     shape: Sequence[int],
     dtype: torch.dtype,
@@ -279,7 +259,7 @@ def probe_attention(
                 results.append(BackendResult(name, False, f"wrong: max rel. error {err:.2e} > {tol:.2e}", err))
                 continue
             run = functools.partial(_fwd_bwd, backend.run, q, k, v, go, mask)
-            ms = timer(name, run) if timer else _time_ms(run, dev, warmup, reps)
+            ms = timer(name, run) if timer else median_ms(run, dev, warmup, reps)
             results.append(BackendResult(name, True, "", err, ms))
         except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend; the reason is reported
             results.append(BackendResult(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))

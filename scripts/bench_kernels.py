@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -41,29 +39,10 @@ from flux_kernels.registry import (
     qk_example,
     unchecked,
 )
+from flux_kernels.timing import median_ms
 
 OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate")
 BLOCK_KERNELS = ("attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate")
-
-
-def timed(fn, dev: torch.device, warmup: int, reps: int) -> float:
-    """Median milliseconds of fn() over reps (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def gpu_ms(fn, dev: torch.device, reps: int) -> float | None:
@@ -167,7 +146,7 @@ def bench_ops(dev, dtype, s, names, warmup, reps, compiled: bool) -> list[dict]:
         for label, fn in variants.items():
             try:
                 run = fwd_bwd(fn, args)
-                row[f"{label}_ms"] = timed(run, dev, warmup, reps)
+                row[f"{label}_ms"] = median_ms(run, dev, warmup, reps)
                 gpu = gpu_ms(run, dev, reps)
                 if gpu is not None:
                     row[f"{label}_gpu_ms"] = gpu
@@ -223,7 +202,7 @@ def bench_blocks(dev, dtype, s, warmup, reps) -> list[dict]:
                 if label.startswith("compiled"):
                     block.compile()
                 run = fwd_bwd(block, inputs[kind])
-                row["ms"] = timed(run, dev, warmup, reps)
+                row["ms"] = median_ms(run, dev, warmup, reps)
                 row["gpu_ms"] = gpu_ms(run, dev, reps)
                 row["saved_mib"], row["peak_mib"] = saved_and_peak(block, inputs[kind], dev, list(block.parameters()))
             except Exception as e:  # noqa: BLE001

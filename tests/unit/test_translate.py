@@ -107,7 +107,15 @@ def test_schema_check_catches_unknown_and_mistyped_keys():
     assert any("fp9" in p and "bf16" in p for p in problems)
 
 
-NASTY = ['say "hi"', "C:\\Users\\me\\pics", "line1\nline2", "ünïcødé ✓ 日本", "tab\there", 'back\\slash"quote', "\x01"]
+NASTY = [
+    'say "hi"',
+    "C:\\Users\\me\\pics",
+    "line1\nline2",
+    "ünïcødé ✓ Ελληνικά кириллица",
+    "tab\there",
+    'back\\slash"quote',
+    "\x01",
+]
 
 
 @pytest.mark.parametrize("value", NASTY)
