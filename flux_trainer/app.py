@@ -25,7 +25,7 @@ from flux_trainer.launch import device as launch_device
 from flux_trainer.launch import profiles
 from flux_trainer.sdscripts import checkout as sd_checkout
 from flux_trainer.sdscripts.parser_schema import check_training_keys, load_schema
-from flux_trainer.sdscripts.resume import resume_decision
+from flux_trainer.sdscripts.resume import SavedState, resume_decision
 from flux_trainer.sdscripts.runner import RunnerSpec
 from flux_trainer.sdscripts.translate import RunPaths, sample_prompts_text, translate
 
@@ -109,12 +109,13 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
 
     state = None
     if cfg.resume == "auto":
-        state, sentence = resume_decision(Path(cfg.logging.root), cfg.train.output_name, cfg.train.max_steps)
-        say(sentence)
-        if state is None and "already finished" in sentence:
-            raise FinishedRun(sentence)
+        decision = resume_decision(Path(cfg.logging.root), cfg.train.output_name, cfg.train.max_steps)
+        say(decision.sentence)
+        if decision.finished:
+            raise FinishedRun(decision.sentence)
+        state = decision.state
     elif cfg.resume != "off":
-        state = type("S", (), {"path": Path(cfg.resume).expanduser().resolve()})()
+        state = SavedState(Path(cfg.resume).expanduser().resolve(), step=-1, final=False)  # step read by sd-scripts
 
     if not cfg.dry_run:
         preflight_doctor(cfg, info)

@@ -36,14 +36,28 @@ def newest_state(runs_dir: Path, output_name: str) -> SavedState | None:
     return states[-1] if states else None
 
 
-def resume_decision(runs_dir: Path, output_name: str, max_steps: int | None) -> tuple[SavedState | None, str]:
-    """(state to resume from or None, a sentence for the user)."""
+@dataclass(frozen=True)
+class ResumeDecision:
+    state: SavedState | None  # where to continue from; None: start fresh, or nothing to do when finished
+    finished: bool  # the newest state already reached max_steps
+    sentence: str  # what to tell the user
+
+
+def resume_decision(runs_dir: Path, output_name: str, max_steps: int | None) -> ResumeDecision:
     state = newest_state(runs_dir, output_name)
     if state is None:
-        return None, f"resume=auto: no saved state of '{output_name}' under {runs_dir}; starting fresh"
-    if max_steps is not None and state.step >= max_steps:
-        return None, (
-            f"resume=auto: '{output_name}' already finished ({state.step} of {max_steps} steps, {state.path}); "
-            f"raise train.max_steps to train further"
+        return ResumeDecision(
+            None, False, f"resume=auto: no saved state of '{output_name}' under {runs_dir}; starting fresh"
         )
-    return state, f"resume=auto: continuing '{output_name}' from step {state.step} ({state.path})"
+    if max_steps is not None and state.step >= max_steps:
+        return ResumeDecision(
+            None,
+            True,
+            (
+                f"resume=auto: '{output_name}' already finished ({state.step} of {max_steps} steps, {state.path}); "
+                f"raise train.max_steps to train further"
+            ),
+        )
+    return ResumeDecision(
+        state, False, f"resume=auto: continuing '{output_name}' from step {state.step} ({state.path})"
+    )

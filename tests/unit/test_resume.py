@@ -26,13 +26,13 @@ def test_newest_state_across_runs_by_step(tmp_path):
 
 
 def test_decisions(tmp_path):
-    st, msg = resume_decision(tmp_path, "mychar", 1000)
-    assert st is None and "starting fresh" in msg
+    d = resume_decision(tmp_path, "mychar", 1000)
+    assert d.state is None and not d.finished and "starting fresh" in d.sentence
     state(tmp_path, "a", "mychar-step00000500-state", 500)
-    st, msg = resume_decision(tmp_path, "mychar", 1000)
-    assert st.step == 500 and "from step 500" in msg
+    d = resume_decision(tmp_path, "mychar", 1000)
+    assert d.state.step == 500 and not d.finished and "from step 500" in d.sentence
     state(tmp_path, "b", "mychar-state", 1000)
-    st, msg = resume_decision(tmp_path, "mychar", 1000)
-    assert st is None and "already finished" in msg and "train.max_steps" in msg
-    st, _ = resume_decision(tmp_path, "mychar", 2000)
-    assert st.step == 1000 and st.final
+    d = resume_decision(tmp_path, "mychar", 1000)
+    assert d.state is None and d.finished and "already finished" in d.sentence and "train.max_steps" in d.sentence
+    d = resume_decision(tmp_path, "mychar", 2000)
+    assert d.state.step == 1000 and d.state.final
