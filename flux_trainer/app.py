@@ -49,11 +49,15 @@ def tier_for_vram(vram_gib: float | None) -> str:
 
 
 def resolve_memory(cfg: DictConfig, info) -> None:
-    """memory=auto: replace the memory node with the tier file for this card's VRAM."""
+    """memory=auto: the tier file for this card's VRAM, under any memory.* key the user set on the command line
+    (a value that differs from auto.yaml's placeholder is the user's and is kept)."""
     if cfg.memory.tier != "auto":
         return
     tier = tier_for_vram(info.vram_gib if info.family != "cpu" else None)
-    cfg.memory = OmegaConf.merge(cfg.memory, OmegaConf.load(shipped_config_dir() / "memory" / f"{tier}.yaml"))
+    memory_dir = shipped_config_dir() / "memory"
+    placeholders = OmegaConf.load(memory_dir / "auto.yaml")
+    users = {k: v for k, v in cfg.memory.items() if k != "tier" and placeholders.get(k) != v}
+    cfg.memory = OmegaConf.merge(cfg.memory, OmegaConf.load(memory_dir / f"{tier}.yaml"), users)
     say(f"memory=auto: {info.name} has {info.vram_gib or 0:.0f} GiB -> memory={tier}")
 
 
