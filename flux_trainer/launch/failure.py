@@ -44,6 +44,11 @@ def _missing_module(m: re.Match) -> str:
             f"cause: sd-scripts' module '{name}' was not importable: point sd_scripts=... or FLUX_TRAIN_SD_SCRIPTS "
             "at a checkout of the pinned commit."
         )
+    if top in ("flux_trainer", "flux_kernels"):
+        return (
+            f"cause: flux-train's own module '{name}' is not importable in the training process: reinstall "
+            "flux-train (pip install .) in the Python that runs it, or put the installed package on its path."
+        )
     return f"cause: Python module '{name}' is missing: pip install {_PIP_NAMES.get(top, top)}"
 
 
