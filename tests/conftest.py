@@ -45,3 +45,27 @@ def compose(workdir):
         return compose_run(list(overrides), [workdir / "configs"])
 
     return _compose
+
+
+@pytest.fixture(scope="session")
+def fm():
+    """sd-scripts' `library.flux_models`, from the checkout flux-train would use; skipped with the reason if none."""
+    from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
+
+    try:
+        return import_sd_scripts(locate().path).flux_models
+    except Exception as e:  # noqa: BLE001 - not found, or not importable here: either way the test cannot run
+        pytest.skip(f"sd-scripts not importable: {e}")
+
+
+def flux_block_pair(fm, hidden: int, heads: int, std: float):
+    """One sd-scripts DoubleStreamBlock + one SingleStreamBlock with seeded random (never zero) weights, frozen."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.double_blocks = torch.nn.ModuleList([fm.DoubleStreamBlock(hidden, heads, 4.0, qkv_bias=True)])
+    model.single_blocks = torch.nn.ModuleList([fm.SingleStreamBlock(hidden, heads, 4.0)])
+    for name, p in model.named_parameters():
+        p.data = (1 + 0.1 * torch.randn_like(p)) if name.endswith("scale") else std * torch.randn_like(p)
+    return model

@@ -23,6 +23,7 @@ from flux_kernels.registry import (
     select,
     unchecked,
 )
+from tests.conftest import flux_block_pair
 
 pytestmark = [
     pytest.mark.gpu,
@@ -128,24 +129,8 @@ def test_attention_choice_at_flux_shape(dev, tmp_path, with_mask):
     assert probe_attention((1, 24, 4608, 128), BF16, dev, with_mask, cache_path=tmp_path / "a.json") == results
 
 
-@pytest.fixture(scope="module")
-def fm():
-    from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
-
-    try:
-        return import_sd_scripts(locate().path).flux_models
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"sd-scripts not importable: {e}")
-
-
 def flux_blocks(fm, dev):
-    torch.manual_seed(0)
-    model = torch.nn.Module()
-    model.double_blocks = torch.nn.ModuleList([fm.DoubleStreamBlock(3072, 24, 4.0, qkv_bias=True)])
-    model.single_blocks = torch.nn.ModuleList([fm.SingleStreamBlock(3072, 24, 4.0)])
-    for name, p in model.named_parameters():
-        p.data = (1 + 0.1 * torch.randn_like(p)) if name.endswith("scale") else 0.02 * torch.randn_like(p)
-    return model.to(dev, BF16).requires_grad_(False)
+    return flux_block_pair(fm, 3072, 24, 0.02).to(dev, BF16).requires_grad_(False)
 
 
 def block_inputs(dev, kind, lt=512, li=4096, mask=False):

@@ -16,6 +16,7 @@ import torch
 
 from flux_kernels import patch, reference
 from flux_kernels.registry import unchecked
+from tests.conftest import flux_block_pair
 
 ALL_OPS = ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
 LT, LI = 8, 24
@@ -37,24 +38,8 @@ def _private_attention_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLUX_KERNELS_CACHE", str(tmp_path / "attention_probe.json"))
 
 
-@pytest.fixture(scope="module")
-def fm():
-    from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
-
-    try:
-        return import_sd_scripts(locate().path).flux_models
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"sd-scripts not importable: {e}")
-
-
 def blocks(fm) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torch.nn.Module()
-    model.double_blocks = torch.nn.ModuleList([fm.DoubleStreamBlock(256, 2, 4.0, qkv_bias=True)])
-    model.single_blocks = torch.nn.ModuleList([fm.SingleStreamBlock(256, 2, 4.0)])
-    for name, p in model.named_parameters():
-        p.data = (1 + 0.1 * torch.randn_like(p)) if name.endswith("scale") else 0.05 * torch.randn_like(p)
-    return model.to(torch.bfloat16)
+    return flux_block_pair(fm, 256, 2, 0.05).to(torch.bfloat16)
 
 
 def inputs(kind: str, mask: bool):

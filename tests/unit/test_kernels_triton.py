@@ -21,6 +21,7 @@ from flux_kernels.registry import (
     qk_example,
     unchecked,
 )
+from tests.conftest import flux_block_pair
 
 
 @pytest.fixture(scope="module")
@@ -172,24 +173,8 @@ def test_unsupported_inputs_fall_back_or_raise(dev):
         fast.qk_norm_rope_cat(segs, pe.requires_grad_(), fallback=False)
 
 
-@pytest.fixture(scope="module")
-def fm():
-    from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
-
-    try:
-        return import_sd_scripts(locate().path).flux_models
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"sd-scripts not importable: {e}")
-
-
 def _model(fm, dtype):
-    torch.manual_seed(0)
-    model = torch.nn.Module()
-    model.double_blocks = torch.nn.ModuleList([fm.DoubleStreamBlock(256, 2, 4.0, qkv_bias=True)])
-    model.single_blocks = torch.nn.ModuleList([fm.SingleStreamBlock(256, 2, 4.0)])
-    for name, p in model.named_parameters():
-        p.data = (1 + 0.1 * torch.randn_like(p)) if name.endswith("scale") else 0.05 * torch.randn_like(p)
-    return model.to(dtype)
+    return flux_block_pair(fm, 256, 2, 0.05).to(dtype)
 
 
 def test_kernels_installed_into_sd_scripts_blocks_verify(dev, fm, monkeypatch):
