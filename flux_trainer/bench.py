@@ -41,6 +41,11 @@ class BenchResult:
     tflops: float | None = None
     mfu: float | None = None
     first_step_s: float | None = None
+    step1_extra_s: float | None = None  # the first step's compute (data wait excluded) minus the median step
+    compared_to: str | None = None  # numerics against this case (same settings, the first --kernels set)
+    loss_rel_diff: float | None = None  # mean over steps of |loss - loss_ref| / |loss_ref|
+    lora_cosine: float | None = None  # cosine of all LoRA tensors after the run, flattened together
+    lora_up_cosine: float | None = None  # the same over lora_up only (zero at init: all of it was learned)
     run_dir: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -94,7 +99,7 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
         scalars = acc.Tags().get("scalars", [])
         if "loss/current" in scalars:
             wall.update({e.step: e.wall_time for e in acc.Scalars("loss/current")})
-        for tag in ("vram/peak_gib", "throughput/tflops", "throughput/mfu"):
+        for tag in ("vram/peak_gib", "throughput/tflops", "throughput/mfu", "time/step_s", "time/data_s"):
             if tag in scalars:
                 tags.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     steps = sorted(wall)
@@ -102,6 +107,10 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
     out: dict = {"steps": len(steps), "first_wall": wall[steps[0]] if steps else None}
     if deltas:
         out.update(s_per_step=statistics.median(deltas), s_min=min(deltas), s_max=max(deltas))
+    step_s, data_s = dict(tags.get("time/step_s", [])), dict(tags.get("time/data_s", []))
+    if step_s and deltas:
+        first = min(step_s)
+        out["step1_extra_s"] = step_s[first] - data_s.get(first, 0.0) - out["s_per_step"]
     if tags.get("vram/peak_gib"):
         out["torch_peak_gib"] = max(v for _, v in tags["vram/peak_gib"])
     for tag, key in (("throughput/tflops", "tflops"), ("throughput/mfu", "mfu")):
@@ -109,6 +118,76 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
         if late:
             out[key] = statistics.median(late)
     return out
+
+
+def losses(tb_dir: Path) -> dict[int, float]:
+    from flux_trainer.metrics.tensorboard import read_scalars
+
+    out: dict[int, float] = {}
+    for folder in sorted({p.parent for p in Path(tb_dir).rglob("events.out.tfevents.*")}):
+        out.update(read_scalars(folder).get("loss/current", []))
+    return out
+
+
+def lora_file(run_dir: Path) -> Path | None:
+    files = sorted(Path(run_dir).rglob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+    return files[-1] if files else None
+
+
+def cosine(a: list, b: list) -> float | None:
+    import torch
+
+    if not a:
+        return None
+    x, y = torch.cat([t.flatten().double() for t in a]), torch.cat([t.flatten().double() for t in b])
+    return float(torch.nn.functional.cosine_similarity(x, y, dim=0))
+
+
+def compare_runs(ref_dir: Path, run_dir: Path) -> dict:
+    """Numerics of one run against another with the same seed and data: per-step loss and the final LoRA."""
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    ref, got = losses(Path(ref_dir) / "tb"), losses(Path(run_dir) / "tb")
+    common = sorted(set(ref) & set(got))
+    if common:
+        out["loss_rel_diff"] = statistics.mean(abs(got[s] - ref[s]) / max(abs(ref[s]), 1e-12) for s in common)
+    ref_file, got_file = lora_file(ref_dir), lora_file(run_dir)
+    if ref_file and got_file:
+        a, b = load_file(str(ref_file)), load_file(str(got_file))
+        keys = sorted(set(a) & set(b))
+        out["lora_cosine"] = cosine([a[k] for k in keys], [b[k] for k in keys])
+        up = [k for k in keys if "lora_up" in k]
+        out["lora_up_cosine"] = cosine([a[k] for k in up], [b[k] for k in up])
+    return out
+
+
+def compare_kernel_sets(results: list[BenchResult], plan: list[tuple[str, list[str], int]], first: str) -> None:
+    """Each case against the case with the same settings and the first kernel set, in place."""
+    refs = {}
+    for r, (_, overrides, res) in zip(results, plan, strict=True):
+        key = (tuple(o for o in overrides if not o.startswith("kernels=")), res)
+        if f"kernels={first}" in overrides:
+            refs[key] = r
+        elif key in refs and refs[key].run_dir and r.run_dir:
+            r.compared_to = refs[key].case
+            for k, v in compare_runs(Path(refs[key].run_dir), Path(r.run_dir)).items():
+                setattr(r, k, v)
+
+
+def numerics_table(results: list[BenchResult]) -> str:
+    def f(v, spec=".4f"):
+        return "-" if v is None else format(v, spec)
+
+    head = f"{'case':<36} {'against':<36} {'loss diff':>9} {'LoRA cos':>8} {'up cos':>8} {'1st step +s':>11}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.compared_to:
+            lines.append(
+                f"{r.case[:36]:<36} {r.compared_to[:36]:<36} {f(r.loss_rel_diff):>9} {f(r.lora_cosine):>8} "
+                f"{f(r.lora_up_cosine):>8} {f(r.step1_extra_s, '.1f'):>11}"
+            )
+    return "\n".join(lines)
 
 
 def bench_dataset(resolution: int) -> tuple[Path, str]:
@@ -249,7 +328,8 @@ def bench_main(argv: list[str]) -> int:
         default=["memory=vram80"],
         help="override sets, '+' joins several: memory=vram48 memory=vram24+precision=fp8_base",
     )
-    ap.add_argument("--kernels", nargs="+", default=["off"], help="kernel sets: off auto ...")
+    ap.add_argument("--kernels", nargs="+", default=["off"], help="kernel sets: off auto ...; with several, each "
+                    "case's per-step loss and final LoRA are compared with the first set's (same seed and data)")
     ap.add_argument("--resolution", nargs="+", type=int, default=[1024])
     ap.add_argument("--model", default="random", help="random (full size, default) or random_tiny")
     ap.add_argument("--warmup", type=int, default=5)
@@ -262,8 +342,9 @@ def bench_main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every case")
     ns = ap.parse_args(argv)
     root = ns.root.resolve()
-    results = []
-    for name, overrides, res in cases(ns.cases, ns.kernels, ns.resolution):
+    results, plan = [], cases(ns.cases, ns.kernels, ns.resolution)
+    ours = []
+    for name, overrides, res in plan:
         cap = case_cap(ns.vram_cap, overrides)
         if cap:
             os.environ[VRAM_CAP_ENV] = str(cap)
@@ -272,11 +353,16 @@ def bench_main(argv: list[str]) -> int:
         print(f"[flux-train bench] {name}: {' '.join(overrides)} at {res}px, VRAM cap {cap or 'none'}", flush=True)
         results.append(run_case(name, overrides, res, ns, root))
         results[-1].notes.append(f"vram_cap_gib={cap}")
+        ours.append(results[-1])
         if ns.baseline and results[-1].run_dir:
             results.append(run_baseline(results[-1], ns))
         print(table(results[-2 if ns.baseline else -1 :]), flush=True)
     text = table(results)
     print("\n" + text)
+    if len(ns.kernels) > 1:
+        compare_kernel_sets(ours, plan, ns.kernels[0])
+        print(f"\nnumerics against kernels={ns.kernels[0]} (same seed and data; 1st step +s: its compute time minus "
+              f"the median step)\n{numerics_table(ours)}")  # fmt: skip
     out = ns.json or root / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

@@ -225,9 +225,27 @@ def install_compile(model: nn.Module, **opts) -> str:
     return f"compile_blocks: {len(double)} double + {len(single)} single blocks"
 
 
+def install_fp8(model: nn.Module, quantize: bool = False, device=None, **_) -> str:
+    """fp8 frozen matmuls (flux_kernels.fp8) in every block's token-wise Linear layers; `quantize` also converts
+    high-precision weights (on `device`, e.g. the GPU, when given)."""
+    from flux_kernels import fp8
+
+    double, single = find_blocks(model)
+    if not double and not single:
+        raise ValueError(f"{type(model).__name__} has no FLUX double/single-stream blocks to patch")
+    done, skipped, note = fp8.install(double + single, quantize=quantize, device=device)
+    if not done:
+        raise KernelError(f"fp8_matmul: none of the {skipped} block Linear layers qualify (fp8 weights, "
+                          "frozen, dimensions multiples of 16)")  # fmt: skip
+    return f"fp8_matmul: {done} Linear layers of {len(double)} double + {len(single)} single blocks ({note})"
+
+
 def remove_kernels(model: nn.Module) -> list[str]:
-    """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation."""
-    undone = []
+    """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation,
+    Linear layers get their forward back (weights that fp8_matmul quantised stay fp8)."""
+    from flux_kernels import fp8
+
+    undone = ["fp8"] if fp8.uninstall(model) else []
     for b in model.modules():
         if hasattr(b, ATTR):
             delattr(b, ATTR)
@@ -311,9 +329,19 @@ def apply_kernels(
     user named, KernelError is raised, while for `auto` one warning says so and training goes on without them.
     `compile_blocks` is installed last, so what it compiles includes the other patches."""
     options = {name: dict(o) for name, o in (options or {}).items()}
+    explicit = getattr(selection, "explicit", True)
     if getattr(selection, "device", None) is not None:  # probe attention where training runs, not where the model is
-        options.setdefault("attention", {}).setdefault("device", selection.device.torch_device)
-    specs = list(selection.specs)
+        for name in ("attention", "fp8_matmul"):
+            options.setdefault(name, {}).setdefault("device", selection.device.torch_device)
+    options.setdefault("fp8_matmul", {}).setdefault("quantize", explicit)  # named: quantise a bf16 base too
+    specs = []
+    for spec in selection.specs:
+        auto_if = getattr(spec, "auto_if", None)
+        ok, why = auto_if(flux_model) if (auto_if is not None and not explicit) else (True, "")
+        if ok:
+            specs.append(spec)
+        else:
+            log.info("kernel %s skipped: %s", spec.name, why)
     block_specs = [s for s in specs if s.name in BLOCK_OPS]
     lines = [s.install(flux_model, **options.get(s.name, {})) for s in block_specs]
     if verify and block_specs:
@@ -323,7 +351,7 @@ def apply_kernels(
         except ValueError as e:
             remove_kernels(flux_model)
             names = ", ".join(s.name for s in block_specs)
-            if getattr(selection, "explicit", True):
+            if explicit:
                 raise KernelError(f"kernels {names} failed verification: {e}; remove them from kernels=") from e
             log.warning("flux_kernels: %s not installed: %s", names, e)
             specs = [s for s in specs if s not in block_specs]

@@ -162,6 +162,56 @@ def bench_ops(dev, dtype, s, names, warmup, reps, compiled: bool) -> list[dict]:
     return rows
 
 
+FP8_SHAPES = {  # (tokens M, in K, out N) of the FLUX.1 linears at 1024^2, batch 1
+    "img_qkv": (4096, 3072, 9216),
+    "txt_qkv": (512, 3072, 9216),
+    "img_mlp_up": (4096, 3072, 12288),
+    "img_mlp_down": (4096, 12288, 3072),
+    "single_linear1": (4608, 3072, 21504),
+    "single_linear2": (4608, 15360, 3072),
+}
+
+
+def bench_fp8(dev, warmup, reps, tiny: bool, compiled: bool = True) -> list[dict]:
+    """One frozen Linear, forward + input gradient (4*M*K*N FLOP), four ways: a bf16 weight (a bf16 base), the
+    fp8 weight upcast per call (sd-scripts' fp8_base), fp8_matmul eager and compiled (quantisation fused)."""
+    from flux_kernels import fp8
+
+    rows = []
+    shapes = {"tiny": (64, 256, 512)} if tiny else FP8_SHAPES
+    for name, (m, k, n) in shapes.items():
+        gen = torch.Generator().manual_seed(0)
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(dev)
+        w8, scale = fp8.quantize_weight(w)
+        wb = w.to(torch.bfloat16)
+        x = torch.randn(1, m, k, generator=gen).to(dev, torch.bfloat16).requires_grad_()
+        flop = 4 * m * k * n
+        row = {"name": name, "shape": f"{m}x{k}x{n}"}
+        variants = {
+            "bf16": lambda x: torch.nn.functional.linear(x, wb),
+            "upcast": lambda x: fp8.reference_linear(x, w8, scale),
+            "fp8": lambda x: fp8.fp8_linear(x, w8, scale),
+        }
+        if compiled:
+            variants["fp8_compiled"] = torch.compile(lambda x: fp8.fp8_linear(x, w8, scale))
+        for label, fn in variants.items():
+            try:
+                run = fwd_bwd(fn, (x,))
+                row[f"{label}_ms"] = median_ms(run, dev, warmup, reps)
+                gpu = gpu_ms(run, dev, reps)
+                t = gpu or row[f"{label}_ms"]
+                row[f"{label}_gpu_ms"] = gpu
+                row[f"{label}_tflops"] = flop / t / 1e9
+            except Exception as e:  # noqa: BLE001 - report and go on with the other columns
+                row[f"{label}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        best = row.get("fp8_compiled_tflops") or row.get("fp8_tflops")
+        if best and row.get("bf16_tflops") and row.get("upcast_tflops"):
+            row["vs_bf16"] = best / row["bf16_tflops"]
+            row["vs_upcast"] = best / row["upcast_tflops"]
+        rows.append(row)
+    return rows
+
+
 BLOCK_CONFIGS = ("sd_scripts", "kernels", "compiled", "compiled_kernels")
 
 
@@ -241,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compiled", action="store_true", help="skip the torch.compile'd reference column")
     ap.add_argument("--no-attention", action="store_true", help="skip the attention backend table")
     ap.add_argument("--blocks", action="store_true", help="also time whole sd-scripts blocks (needs a checkout)")
+    ap.add_argument("--fp8", action="store_true", help="also time fp8 frozen matmuls at the FLUX linear shapes")
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke test of this script)")
     ns = ap.parse_args(argv)
 
@@ -276,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
             res = probe_attention(shape, dtype, dev, mask, use_cache=False, warmup=ns.warmup, reps=ns.reps)
             result["attention"][f"mask={mask}"] = [asdict(r) for r in res]
             print_table(f"attention {shape} mask={mask}", [asdict(r) for r in res], ["ok", "ms_fwd_bwd", "max_err"])
+    if ns.fp8:
+        result["fp8"] = bench_fp8(dev, ns.warmup, ns.reps, ns.tiny, not ns.no_compiled)
+        print_table("fp8 frozen Linear, forward + input gradient (TFLOP/s from GPU time; vs_*: fp8 (compiled) / other)",
+                    result["fp8"], ["shape", "bf16_tflops", "upcast_tflops", "fp8_tflops", "fp8_compiled_tflops",
+                                    "vs_bf16", "vs_upcast"])  # fmt: skip
     if ns.blocks:
         try:
             result["blocks"] = bench_blocks(dev, dtype, s, ns.warmup, ns.reps)

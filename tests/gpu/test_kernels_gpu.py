@@ -10,9 +10,10 @@ import importlib.util
 import pytest
 import torch
 
-from flux_kernels import fast, patch, reference
+from flux_kernels import fast, fp8, patch, reference
 from flux_kernels.attention import chosen, probe_attention
 from flux_kernels.registry import (
+    FP8_TOLERANCE,
     REGISTRY,
     TOLERANCE,
     gated_example,
@@ -179,7 +180,8 @@ def test_full_size_blocks_patched_match_sd_scripts(dev, fm, mask):
     model = flux_blocks(fm, dev)
     blocks = {"double": model.double_blocks[0], "single": model.single_blocks[0]}
     want = {k: outs_and_grads(b, block_inputs(dev, k, mask=mask)) for k, b in blocks.items()}
-    assert patch.apply_kernels(model, select(list(REGISTRY), dev)) == list(REGISTRY)  # verify_blocks ran inside
+    names = [n for n in REGISTRY if n != "fp8_matmul"]  # fp8 would quantise this bf16 model: its own tests below
+    assert patch.apply_kernels(model, select(names, dev)) == names  # verify_blocks ran inside
     try:
         for kind, block in blocks.items():
             got = outs_and_grads(block, block_inputs(dev, kind, mask=mask))
@@ -251,6 +253,58 @@ def test_compiled_patched_block_without_graph_breaks(dev, fm):
             block.compile()
             compiled = outs_and_grads(block, args)
             assert all(rel(c, e) <= 2e-2 for c, e in zip(compiled, eager, strict=True)), kind
+    finally:
+        patch.remove_kernels(model)
+        torch._dynamo.reset()
+
+
+# ---- fp8 frozen matmuls -------------------------------------------------------------------------------------------
+# (M tokens, K in, N out): the FLUX.1 linears at 1024^2 (img qkv, txt proj, single linear1 / linear2, img MLP up /
+# down), then odd ones
+FP8_SHAPES = [(4096, 3072, 9216), (512, 3072, 3072), (4608, 3072, 21504), (4608, 15360, 3072), (4096, 3072, 12288),
+              (4096, 12288, 3072), (77, 256, 1040)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["fp8_base", "quantized"])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_linear_against_the_upcast_reference(dev, shape, kind):
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w8, scale = (w.to(fp8.E4M3), None) if kind == "fp8_base" else fp8.quantize_weight(w)
+    w8, scale = w8.to(dev), None if scale is None else scale.to(dev)
+    x = (torch.randn(1, m, k, generator=gen) + 0.05).to(dev, BF16).requires_grad_()
+    bias = (torch.randn(n, generator=gen) * 0.01).to(dev, BF16)
+    got = outs_and_grads(lambda x: fp8.fp8_linear(x, w8, scale, bias), (x,))
+    want = outs_and_grads(lambda x: fp8.reference_linear(x, w8, scale, bias), (x,))
+    for i, (g, r) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == r.dtype == BF16 and g.shape == r.shape, i
+        assert rel(g, r) <= FP8_TOLERANCE, (i, rel(g, r))
+        assert ((g.float() - r.float()).norm() / r.float().norm()).item() <= 0.04, i  # typical, not only the max
+
+
+def test_fp8_base_blocks_compiled_with_checkpointing_match_the_upcast_path(dev, fm):
+    """sd-scripts' fp8_base (the blocks cast to e4m3, run under autocast): routed through fp8, compiled with no
+    graph breaks, with gradient checkpointing; against sd-scripts' own upcast computation."""
+    model = flux_blocks(fm, dev).to(fp8.E4M3)
+    blocks = {"double": model.double_blocks[0].train(), "single": model.single_blocks[0].train()}
+    amp = torch.autocast("cuda", dtype=BF16)
+    with amp:
+        want = {k: outs_and_grads(b, block_inputs(dev, k)) for k, b in blocks.items()}
+    assert patch.apply_kernels(model, unchecked(["fp8_matmul"])) == ["fp8_matmul"]
+    try:
+        for kind, block in blocks.items():
+            block.enable_gradient_checkpointing()
+            args = block_inputs(dev, kind)
+            with amp:
+                eager = outs_and_grads(block, args)
+                explained = torch._dynamo.explain(block.forward)(*args)
+                assert explained.graph_break_count == 0, (kind, explained.break_reasons)
+                block.compile()
+                compiled = outs_and_grads(block, args)
+            for i, (e, c, w) in enumerate(zip(eager, compiled, want[kind], strict=True)):
+                assert rel(e, w) <= 2 * FP8_TOLERANCE, (kind, i, rel(e, w))
+                assert rel(c, e) <= FP8_TOLERANCE, (kind, i, rel(c, e))
     finally:
         patch.remove_kernels(model)
         torch._dynamo.reset()

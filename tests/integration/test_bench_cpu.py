@@ -29,6 +29,9 @@ def test_bench_runs_cases_and_writes_json(tmp_path, monkeypatch, capsys):
             "--cases",
             "memory=cpu",
             "network.rank=4+memory=cpu",
+            "--kernels",
+            "off",
+            "auto",
             "--resolution",
             "256",
             "--warmup",
@@ -44,13 +47,18 @@ def test_bench_runs_cases_and_writes_json(tmp_path, monkeypatch, capsys):
     )
     assert code == 0
     results = json.loads(out.read_text())["results"]
-    assert [r["case"] for r in results] == ["cpu_k-off_256", "4_cpu_k-off_256"]
+    assert [r["case"] for r in results] == ["cpu_k-off_256", "cpu_k-auto_256", "4_cpu_k-off_256", "4_cpu_k-auto_256"]
     for r in results:
         assert r["exit_code"] == 0 and r["steps"] == 3
         assert r["s_per_step"] > 0 and r["s_min"] <= r["s_per_step"] <= r["s_max"]
-        assert r["first_step_s"] > 0
+        assert r["first_step_s"] > 0 and r["step1_extra_s"] is not None
+    # auto installs nothing on a CPU, so the same seed gives the same losses and LoRA: the comparison says so
+    auto = {r["case"]: r for r in results}["4_cpu_k-auto_256"]
+    assert auto["compared_to"] == "4_cpu_k-off_256"
+    assert auto["loss_rel_diff"] == pytest.approx(0.0, abs=1e-6)
+    assert auto["lora_cosine"] == pytest.approx(1.0) and auto["lora_up_cosine"] == pytest.approx(1.0)
     text = capsys.readouterr().out
-    assert "cpu_k-off_256" in text and "s/step" in text
+    assert "cpu_k-off_256" in text and "s/step" in text and "numerics against kernels=off" in text
 
 
 def test_cases_expand_the_product():
@@ -69,3 +77,52 @@ def test_case_cap():
     assert case_cap("tier", ["memory=vram24", "precision=fp8_base"]) == 24.0
     assert case_cap("30", ["memory=vram24"]) == 30.0
     assert case_cap(None, ["memory=vram24"]) is None and case_cap("tier", ["memory=cpu"]) is None
+
+
+def _fake_run(folder, losses, tensors):
+    """A run dir as bench leaves it: TensorBoard loss events under tb/ and a LoRA file."""
+    from safetensors.torch import save_file
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder / "tb" / "network_train"))
+    for step, loss in enumerate(losses, start=1):
+        writer.add_scalar("loss/current", loss, step)
+    writer.close()
+    save_file(tensors, str(folder / "out.safetensors"))
+    return folder
+
+
+def test_compare_runs_loss_difference_and_lora_cosines(tmp_path):
+    import torch
+
+    from flux_trainer.bench import compare_runs
+
+    up, down = torch.randn(8, 4), torch.randn(4, 8)
+    ref = _fake_run(tmp_path / "ref", [1.0, 0.5, 0.25], {"a.lora_up.weight": up, "a.lora_down.weight": down})
+    same = _fake_run(tmp_path / "same", [1.0, 0.5, 0.25], {"a.lora_up.weight": up, "a.lora_down.weight": down})
+    other = _fake_run(tmp_path / "other", [1.1, 0.45, 0.25], {"a.lora_up.weight": -up, "a.lora_down.weight": down})
+    assert compare_runs(ref, same) == {"loss_rel_diff": 0.0, "lora_cosine": pytest.approx(1.0),
+                                       "lora_up_cosine": pytest.approx(1.0)}  # fmt: skip
+    got = compare_runs(ref, other)
+    assert got["loss_rel_diff"] == pytest.approx((0.1 + 0.1) / 3, rel=1e-5)
+    assert got["lora_up_cosine"] == pytest.approx(-1.0)  # the learned half points the other way
+    n_up, n_down = up.square().sum(), down.square().sum()
+    assert got["lora_cosine"] == pytest.approx(float((n_down - n_up) / (n_down + n_up)), rel=1e-6)
+
+
+def test_compare_kernel_sets_pairs_each_case_with_the_first_sets_run(tmp_path):
+    from flux_trainer.bench import BenchResult, cases, compare_kernel_sets
+
+    plan = cases(["memory=vram24", "memory=vram80"], ["off", "auto"], [1024])
+    runs = {}
+    for name, _, _ in plan:
+        loss = 2.0 if name.startswith("vram80_k-auto") else 1.0
+        runs[name] = _fake_run(tmp_path / name, [loss, loss], {"x.lora_up.weight": __import__("torch").ones(3)})
+    results = [BenchResult(case=n, overrides=o, exit_code=0, run_dir=str(runs[n])) for n, o, _ in plan]
+    compare_kernel_sets(results, plan, "off")
+    by = {r.case: r for r in results}
+    assert by["vram24_k-auto_1024"].compared_to == "vram24_k-off_1024"
+    assert by["vram24_k-auto_1024"].loss_rel_diff == 0.0
+    assert by["vram80_k-auto_1024"].compared_to == "vram80_k-off_1024"
+    assert by["vram80_k-auto_1024"].loss_rel_diff == pytest.approx(1.0)
+    assert by["vram24_k-off_1024"].compared_to is None

@@ -43,3 +43,17 @@ def test_tiny_cpu_run_writes_the_table_and_json(bench, tmp_path, monkeypatch, ca
     for row in data["ops"]:
         assert row["ref_ms"] > 0 and row["fast_ms"] > 0 and row["speedup"] > 0 and row["bytes"] > 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_tiny_cpu_fp8_section(bench, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the benchmark would run for real")
+    out = tmp_path / "b.json"
+    argv = ["--device", "cpu", "--tiny", "--reps", "1", "--warmup", "0", "--no-compiled", "--no-attention",
+            "--kernels", "", "--fp8", "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    (row,) = json.loads(out.read_text())["fp8"]
+    assert row["shape"] == "64x256x512" and not [k for k in row if k.endswith("_error")], row
+    for label in ("bf16", "upcast", "fp8"):
+        assert row[f"{label}_ms"] > 0 and row[f"{label}_tflops"] > 0
+    assert row["vs_bf16"] > 0 and row["vs_upcast"] > 0

@@ -1,0 +1,199 @@
+"""fp8 frozen matmuls: the frozen Linear layers of the FLUX blocks multiply in fp8 on the tensor cores
+(`torch._scaled_mm`, e4m3, one scale per row) instead of upcasting their weights to bf16 for every matmul.
+
+    y  = x @ W^T + b        forward:  x quantised per row (amax / 448), W kept in fp8 with one scale per output
+                                      row, bf16 out; the bias is added outside, where torch.compile fuses it
+                                      with the LoRA add that follows
+    dx = dy @ W             backward: dy * (W's row scales) quantised per row, W transposed in fp8 (a transient
+                                      copy, half the bytes of the bf16 upcast it replaces); W itself is frozen
+
+Where the weights come from:
+  * an fp8 base (sd-scripts' fp8_base: `unet.to(float8_e4m3fn)`, no scales): the stored fp8 values are used as
+    they are (scale 1), so the only new rounding is of the activations and the incoming gradient;
+  * a bf16/fp32 base: each weight is quantised once at install to e4m3 with a scale per output row and the
+    high-precision copy is released (about half the weight memory). This changes the frozen model's numbers,
+    so it happens only when `fp8_matmul` is asked for by name.
+
+`reference_linear` is the computation fp8 replaces (what sd-scripts does under autocast: dequantised weight,
+bf16 matmul); `fp8_linear` must agree with it within fp8 rounding, forward and backward (registry probe, tests).
+The quantisation is written in plain PyTorch on purpose: under `compile_blocks` inductor fuses it into the kernel
+that produces the activation (the modulation, the GELU, the attention output reshape).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+ALIGN = 16  # _scaled_mm: the contracted and the output dimension are multiples of 16
+ATTR = "_flux_fp8"
+
+
+def fp8_capable(capability: tuple[int, int] | None) -> bool:
+    """fp8 tensor cores: Ada (sm_89), Hopper (sm_90) and newer."""
+    return capability is not None and tuple(capability) >= (8, 9)
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] fp32) with x ~= x8 * scale; each row's amax maps to 448."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
+    scale = amax / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def _out_dtype(x: Tensor) -> torch.dtype:
+    """What F.linear would return here: the autocast dtype inside autocast, else the input's dtype."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def _scaled_mm(a8: Tensor, sa: Tensor, b8_t: Tensor, sb: Tensor, fast_accum: bool) -> Tensor:
+    """a8 [M, K] row-major times b8_t [K, N] column-major, per-row scales sa [M, 1] and sb [1, N]; bf16 out.
+    `fast_accum` (Hopper: no periodic promotion of the fp8 accumulator) for the forward only, as torchao's float8
+    training does; gradients accumulate exactly."""
+    return torch._scaled_mm(a8, b8_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w8: Tensor, w_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+        n = w8.shape[0]
+        x2 = x.reshape(-1, x.shape[-1])
+        x8, sx = quantize_rows(x2)
+        sw = torch.ones(1, n, device=x.device) if w_scale is None else w_scale.to(x.device).view(1, n)
+        y = _scaled_mm(x8, sx, w8.t(), sw, fast_accum=True)
+        ctx.save_for_backward(w8, w_scale)
+        ctx.x_dtype = x.dtype
+        return y.to(out_dtype).view(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        w8, w_scale = ctx.saved_tensors
+        n, k = w8.shape
+        dy2 = dy.reshape(-1, n)
+        if w_scale is not None:  # dy @ (diag(s) W8) = (dy * s) @ W8: fold the row scales into dy before quantising
+            dy2 = dy2.float() * w_scale.to(dy.device).view(1, n)
+        g8, sg = quantize_rows(dy2)
+        wt8 = w8.t().contiguous()  # [K, N] row-major, so wt8.t() is W8 as the column-major operand
+        dx = _scaled_mm(g8, sg, wt8.t(), torch.ones(1, k, device=dy.device), fast_accum=False)
+        return dx.to(ctx.x_dtype).view(*dy.shape[:-1], k), None, None, None
+
+
+def fp8_linear(x: Tensor, w8: Tensor, w_scale: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, w8 * w_scale[:, None], bias) with the matmul in fp8 (forward and input gradient)."""
+    y = _Fp8Linear.apply(x, w8, w_scale, _out_dtype(x))
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def reference_linear(x: Tensor, w8: Tensor, w_scale: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+    """The plain computation: dequantise the weight to the activation dtype and multiply (sd-scripts' fp8_base
+    path under autocast: the fp8 weight upcast for every matmul)."""
+    dtype = _out_dtype(x)
+    w = w8.to(torch.float32) if w_scale is None else w8.to(torch.float32) * w_scale.view(-1, 1).float()
+    return torch.nn.functional.linear(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype))
+
+
+def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """A high-precision weight [N, K] -> (e4m3 [N, K], fp32 scale [N]), one scale per output row."""
+    w8, s = quantize_rows(w)
+    return w8, s.view(-1)
+
+
+# ---- installing into a model --------------------------------------------------------------------------------------
+
+
+class Fp8Forward:
+    """The frozen path of one Linear in fp8: a callable that replaces `Linear.forward`, or, where a LoRA module
+    wraps the Linear (sd-scripts' LoRAModule keeps the original as `org_forward`), that `org_forward`."""
+
+    def __init__(self, linear: nn.Linear, scale: Tensor | None) -> None:
+        self.linear = linear
+        self.scale = scale
+
+    def __call__(self, x: Tensor) -> Tensor:
+        lin = self.linear
+        return fp8_linear(x, lin.weight, self.scale, lin.bias)
+
+
+def block_linears(blocks: list[nn.Module]) -> list[tuple[str, nn.Linear]]:
+    """The Linear layers of the blocks that see every token (qkv, proj, MLP, linear1/2): not the modulation
+    layers, whose input is one row per image."""
+    out = []
+    for i, block in enumerate(blocks):
+        for name, m in block.named_modules():
+            if isinstance(m, nn.Linear) and "mod" not in name:
+                out.append((f"{i}.{name}", m))
+    return out
+
+
+def fp8_problem(linear: nn.Linear) -> str | None:
+    n, k = linear.weight.shape
+    if n % ALIGN or k % ALIGN:
+        return f"shape {n}x{k} is not a multiple of {ALIGN}"
+    if linear.weight.requires_grad:
+        return "its weight is trained (fp8 here is for frozen weights)"
+    return None
+
+
+def _route(linear: nn.Linear, fn: Fp8Forward) -> None:
+    wrapper = getattr(linear.__dict__.get("forward"), "__self__", None)
+    if wrapper is not None and hasattr(wrapper, "org_forward"):  # LoRA applied: only its frozen path changes
+        setattr(linear, ATTR, ("lora", wrapper, wrapper.org_forward))
+        wrapper.org_forward = fn
+    else:
+        setattr(linear, ATTR, ("module", None, linear.__dict__.get("forward")))
+        linear.forward = fn
+
+
+def install(blocks: list[nn.Module], *, quantize: bool, device: torch.device | None = None) -> tuple[int, int, str]:
+    """Route every eligible block Linear through fp8. fp8 weights are used as stored; high-precision ones are
+    quantised (on `device` when given, then put back where the weight lives) only with `quantize`.
+    Returns (installed, skipped, a note on the weights)."""
+    done = skipped = quantized = 0
+    for _, lin in block_linears(blocks):
+        if hasattr(lin, ATTR) or fp8_problem(lin):
+            skipped += 1
+            continue
+        w = lin.weight
+        scale = None
+        if w.dtype != E4M3:
+            if not quantize:
+                skipped += 1
+                continue
+            home = w.device
+            w8, scale = quantize_weight(w.detach().to(device or home))
+            lin.weight = nn.Parameter(w8.to(home), requires_grad=False)
+            scale = scale.to(home)
+            quantized += 1
+        _route(lin, Fp8Forward(lin, scale))
+        done += 1
+    note = f"{quantized} weights quantised to e4m3 (one scale per row)" if quantized else "fp8 weights as stored"
+    return done, skipped, note
+
+
+def uninstall(model: nn.Module) -> int:
+    """Give every routed Linear its previous forward back (quantised weights stay fp8)."""
+    undone = 0
+    for m in model.modules():
+        state = m.__dict__.pop(ATTR, None)
+        if state is None:
+            continue
+        kind, wrapper, previous = state
+        if kind == "lora":
+            wrapper.org_forward = previous
+        elif previous is None:
+            m.__dict__.pop("forward", None)
+        else:
+            m.forward = previous
+        undone += 1
+    return undone
+
+
+def has_fp8_weights(blocks: list[nn.Module]) -> bool:
+    return any(lin.weight.dtype == E4M3 for _, lin in block_linears(blocks))

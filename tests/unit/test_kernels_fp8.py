@@ -1,0 +1,181 @@
+"""fp8 frozen matmuls (flux_kernels.fp8) on CPU: torch._scaled_mm runs here too, so the real kernel path is
+compared with the upcast reference forward and backward, installed into sd-scripts' blocks under its LoRA, and
+selected by `auto` only on an fp8 base. Speed is the GPU's business (tests/gpu, scripts/bench_kernels.py)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+from flux_kernels import fp8, patch, registry
+from flux_kernels.registry import FP8_TOLERANCE, REGISTRY, KernelSpec, Selection, probe
+from tests.conftest import flux_block_pair
+
+HIDDEN, HEADS = 256, 2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def _weights(kind: str, n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = torch.randn(n, k, generator=gen) * 0.05
+    return (w.to(fp8.E4M3), None) if kind == "fp8_base" else fp8.quantize_weight(w)
+
+
+@pytest.mark.parametrize("kind", ["fp8_base", "quantized"])
+@pytest.mark.parametrize(("m", "k", "n"), [(37, 64, 96), (512, 3072, 3072), (77, 256, 1040)])
+def test_fp8_linear_matches_the_upcast_reference_forward_and_backward(kind, m, k, n):
+    gen = torch.Generator().manual_seed(m + k + n)
+    w8, scale = _weights(kind, n, k, gen)
+    x = (torch.randn(2, m, k, generator=gen) + 0.1).bfloat16().requires_grad_()
+    bias = (torch.randn(n, generator=gen) * 0.1).bfloat16()
+    dy = torch.randn(2, m, n, generator=gen).bfloat16()
+    results = []
+    for fn in (fp8.reference_linear, fp8.fp8_linear):
+        y = fn(x, w8, scale, bias)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        results.append((y, dx))
+    (y_ref, dx_ref), (y, dx) = results
+    assert (y.shape, y.dtype, dx.dtype) == (y_ref.shape, torch.bfloat16, torch.bfloat16)
+    assert _rel(y, y_ref) <= FP8_TOLERANCE
+    assert _rel(dx, dx_ref) <= FP8_TOLERANCE
+    # fp8 really happened: the activations were rounded to 3 mantissa bits, so it is not bit-equal either
+    assert not torch.equal(y, y_ref)
+
+
+def test_fp8_linear_follows_autocast_like_f_linear():
+    gen = torch.Generator().manual_seed(1)
+    w8, scale = _weights("quantized", 32, 48, gen)
+    x = torch.randn(5, 48, generator=gen)  # fp32 activations (LayerNorm output under autocast)
+    assert fp8.fp8_linear(x, w8, scale).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_ref = fp8.fp8_linear(x, w8, scale), fp8.reference_linear(x, w8, scale)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    assert _rel(y, y_ref) <= FP8_TOLERANCE
+
+
+def test_quantize_rows_keeps_each_rows_range_and_a_zero_row():
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [1e-3, 3e-3, -4e-3]])
+    x8, s = fp8.quantize_rows(x)
+    assert x8.dtype == fp8.E4M3 and s.shape == (3, 1)
+    back = x8.float() * s
+    assert torch.isfinite(back).all()
+    assert back.abs().amax(dim=1).tolist() == pytest.approx([2.0, 0.0, 4e-3], rel=1e-6)  # amax is exact
+    assert _rel(back[2], x[2]) < 0.07
+
+
+def test_the_probe_passes_fp8_and_rejects_a_kernel_that_forgets_the_weight_scale():
+    spec = REGISTRY["fp8_matmul"]
+    result = probe(spec, "cpu")
+    assert result.ok, result.reason
+    assert 0 < result.max_err <= FP8_TOLERANCE
+
+    def no_scale(x, w8, scale, bias=None):
+        return fp8.fp8_linear(x, w8, None, bias)
+
+    broken = KernelSpec("fp8_broken", "test", spec.applies, spec.install, spec.reference, no_scale, spec.example,
+                        dtypes=spec.dtypes, tolerance=spec.tolerance)  # fmt: skip
+    verdict = probe(broken, "cpu")
+    assert not verdict.ok and "probe failed vs reference" in verdict.reason
+
+
+def test_where_fp8_applies():
+    ada = {"type": "cuda", "name": "NVIDIA GeForce RTX 4090", "capability": [8, 9]}
+    ampere = {"type": "cuda", "name": "NVIDIA A100", "capability": [8, 0]}
+    blackwell = {"type": "cuda", "name": "NVIDIA GeForce RTX 5090", "capability": [12, 0]}
+    assert registry.fp8_applies(ada)[0] and registry.fp8_applies(blackwell)[0]
+    ok, why = registry.fp8_applies(ampere)
+    assert not ok and "sm_89" in why
+    assert not registry.fp8_applies("cpu")[0]
+
+
+# ---- installed into sd-scripts' blocks, under sd-scripts' own LoRA ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_flux(fm):
+    return importlib.import_module("networks.lora_flux")
+
+
+def _blocks_with_lora(fm, lora_flux, weight_dtype):
+    model = flux_block_pair(fm, HIDDEN, HEADS, std=0.05)
+    torch.manual_seed(1)
+    loras = []
+    for name, lin in [*model.double_blocks[0].named_modules(), *model.single_blocks[0].named_modules()]:
+        if isinstance(lin, torch.nn.Linear):
+            lora = lora_flux.LoRAModule(f"lora_{name}", lin, multiplier=1.0, lora_dim=4, alpha=4)
+            lora.apply_to()
+            torch.nn.init.normal_(lora.lora_up.weight, std=0.05)  # not zero, so the adapters matter in the check
+            loras.append(lora)
+    model.requires_grad_(False)
+    model.to(weight_dtype)
+    return model, torch.nn.ModuleList(loras)
+
+
+def _run_blocks(model, loras, seed=0):
+    block = model.double_blocks[0]
+    args = patch._verify_inputs(block, "double", "cpu", torch.bfloat16, with_mask=False)
+    single_args = patch._verify_inputs(model.single_blocks[0], "single", "cpu", torch.bfloat16, with_mask=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        img, txt = block(*args[:4])
+        out = model.single_blocks[0](torch.cat([txt, img], dim=1), *single_args[1:4])
+        gen = torch.Generator().manual_seed(seed)
+        loss = (out.float() * torch.randn(out.shape, generator=gen)).sum()
+    grads = torch.autograd.grad(loss, [p for p in loras.parameters()])
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("weights", ["fp8_base", "bf16_quantized"])
+def test_installed_in_sd_scripts_blocks_under_lora_matches_and_uninstalls(fm, lora_flux, weights):
+    model, loras = _blocks_with_lora(fm, lora_flux, fp8.E4M3 if weights == "fp8_base" else torch.bfloat16)
+    if weights == "bf16_quantized":  # the reference for a quantised base is the dequantised base
+        w_ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want, dwant = _run_blocks(model, loras)
+    line = patch.install_fp8(model, quantize=weights == "bf16_quantized")
+    assert "fp8_matmul: 10 Linear layers of 1 double + 1 single blocks" in line
+    # the routing went through LoRA's org_forward: the adapters still run (their gradients are not zero)
+    assert all(isinstance(lora.org_forward, fp8.Fp8Forward) for lora in loras if "mod" not in lora.lora_name)
+    got, dgot = _run_blocks(model, loras)
+    if weights == "bf16_quantized":
+        assert model.double_blocks[0].img_attn.qkv.weight.dtype == fp8.E4M3
+        assert model.double_blocks[0].img_mod.lin.weight.dtype == torch.bfloat16  # modulation stays as it was
+        deq = {n: p for n, p in model.named_parameters()}
+        assert _rel(deq["single_blocks.0.linear1.weight"].float(), w_ref["single_blocks.0.linear1.weight"]) > 0
+    assert _rel(got, want) <= 2 * FP8_TOLERANCE  # two blocks of fp8 roundings
+    for g, w in zip(dgot, dwant, strict=True):
+        assert g.abs().sum() > 0
+        assert _rel(g, w) <= 2 * FP8_TOLERANCE
+    assert patch.remove_kernels(model) == ["fp8"]
+    again, _ = _run_blocks(model, loras)
+    if weights == "fp8_base":
+        assert torch.equal(again, want)  # back to sd-scripts' upcast path, bit for bit
+
+
+def test_auto_takes_fp8_only_on_an_fp8_base_and_a_named_request_quantises(fm, lora_flux, caplog):
+    spec = REGISTRY["fp8_matmul"]
+    auto = Selection(("fp8_matmul",), specs=(spec,), explicit=False)
+    named = Selection(("fp8_matmul",), specs=(spec,), explicit=True)
+    model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="flux_kernels.patch"):
+        assert patch.apply_kernels(model, auto) == []
+    assert "kernel fp8_matmul skipped: the base weights are not fp8" in caplog.text
+    assert model.single_blocks[0].linear1.weight.dtype == torch.bfloat16
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    tokenwise = sum(lin.weight.numel() for _, lin in fp8.block_linears([*model.double_blocks, *model.single_blocks]))
+    assert patch.apply_kernels(model, named) == ["fp8_matmul"]
+    after = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert after == before - tokenwise  # 1 byte instead of 2 per token-wise weight: the bf16 copies were released
+    fp8_model, _ = _blocks_with_lora(fm, lora_flux, fp8.E4M3)
+    assert patch.apply_kernels(fp8_model, auto) == ["fp8_matmul"]
+
+
+def test_nothing_eligible_is_an_error_naming_why(fm, lora_flux):
+    with pytest.raises(ValueError, match="no FLUX double/single-stream blocks"):
+        patch.install_fp8(torch.nn.Linear(4, 4))
+    model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
+    with pytest.raises(patch.KernelError, match="none of the 10 block Linear layers qualify"):
+        patch.install_fp8(model, quantize=False)
