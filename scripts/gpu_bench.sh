@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # `flux-train bench` on the lent GPU machine (../shared/GPU.md), one call: install the carried wheels, generate
 # the random full-size model, run the bench with the given arguments, dump every TensorBoard tag of the runs.
-# carry: .whl (../shared/gpu/wheels.sh) and .gpu/sd-scripts.   Usage: bash scripts/gpu_bench.sh BENCH_ARGS...
+# carry: .whl (../shared/gpu/wheels.sh) and .gpu/sd-scripts.   Usage: [TAG=name] bash scripts/gpu_bench.sh BENCH_ARGS...
+# (TAG names the run root /tmp/TAG and the files $OUT/TAG.json, .log, -tags.txt: several benches in one call)
 set -euo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; TAG=${TAG:-bench}
 REPO=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING || true
 mkdir -p /tmp/pkgs && ln -sfn "$REPO/kernels" /tmp/pkgs/flux_kernels   # the wheel maps kernels/ -> flux_kernels
@@ -15,18 +16,21 @@ python3 -c "
 from pathlib import Path
 from flux_trainer.sdscripts.random_model import ensure_random_model
 ensure_random_model(Path('/tmp/ftcache/models'), 'full', device='cuda', log=print)" | tail -2
-python3 -m flux_trainer.cli bench --root /tmp/bench --json "$OUT/bench.json" "$@" > "$OUT/bench.log" 2>&1 || echo "bench exit $?"
-grep -A40 "^case" "$OUT/bench.log" | tail -20
-python3 - <<'PY' > "$OUT/tags.txt"
-import glob, os
+python3 -m flux_trainer.cli bench --root "/tmp/$TAG" --json "$OUT/$TAG.json" "$@" > "$OUT/$TAG.log" 2>&1 || echo "bench exit $?"
+grep -B2 -A40 "^case" "$OUT/$TAG.log" | grep -v "Directory watcher\|No path found" | tail -24
+TAG=$TAG OUT=$OUT python3 - <<'PY' > "$OUT/$TAG-tags.txt"
+import glob, json, os
 from flux_trainer.metrics.tensorboard import read_scalars, read_texts
-for d in sorted({os.path.dirname(p) for p in glob.glob("/tmp/bench/*/*/tb/**/events.out.tfevents.*", recursive=True)}):
+losses = {}
+for d in sorted({os.path.dirname(p) for p in glob.glob(f"/tmp/{os.environ['TAG']}/*/*/tb/**/events.out.tfevents.*", recursive=True)}):
     s, t = read_scalars(d), read_texts(d)
+    losses[d] = s.get("loss/current", [])
     print(d)
     for tag in sorted(s):
         vals = [v for _, v in s[tag]]
         print(f"  {tag:<28} n={len(vals):<3} first={vals[0]:.4g} last={vals[-1]:.4g} max={max(vals):.4g}")
     for k, v in sorted(t.items()):
         print(f"  text {k}: {v[:160]!r}")
+json.dump(losses, open(os.path.join(os.environ["OUT"], os.environ["TAG"] + "-losses.json"), "w"))
 PY
-head -60 "$OUT/tags.txt"
+grep -E "^/|loss/current|vram/peak|time/step_s|run/kernels" "$OUT/$TAG-tags.txt" | head -40
