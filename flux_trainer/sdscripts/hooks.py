@@ -32,6 +32,19 @@ class RunHooks:
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
 
+    def caches_ready(self, args: Any) -> None:
+        """Re-seed once the latent / text-encoder caches exist. Building them draws random numbers (the VAE samples
+        its latents), so without this a run that builds the caches and a run that reuses them would start training
+        from different random states: different LoRA init, data order and noise for the same seed."""
+        if getattr(args, "seed", None) is None:
+            return
+        from accelerate.utils import set_seed
+
+        set_seed(int(args.seed))
+        if not getattr(self, "_reseeded", False):
+            log.info("random state re-seeded (seed %s) after caching: same seed, same run, caches built or not", args.seed)
+            self._reseeded = True
+
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
         if self.spec.metrics.get("enabled", True):

@@ -75,6 +75,11 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
             self.flux_train.model_loaded(result[3], accelerator)
             return result
 
+        def cache_text_encoder_outputs_if_needed(self, args, *rest):
+            result = super().cache_text_encoder_outputs_if_needed(args, *rest)  # the last cache sd-scripts builds
+            self.flux_train.caches_ready(args)
+            return result
+
         def prepare_unet_with_accelerator(self, args, accelerator, unet):
             self.flux_train.before_prepare(unet, args, accelerator)
             return super().prepare_unet_with_accelerator(args, accelerator, unet)

@@ -153,3 +153,21 @@ def test_runs_listing_reads_the_events(trained, capsys):
     line = next(ln for ln in capsys.readouterr().out.splitlines() if trained.run_dir.name in ln)
     fields = line.split()
     assert fields[1] == "2" and float(fields[2]) > 0  # steps done, last loss
+
+
+def test_same_seed_same_losses_whether_or_not_the_run_built_the_caches(trained):
+    """The first run built the latent and text-encoder caches (the VAE draws random numbers for that); a second run
+    with the same seed reuses them and must still see the same LoRA init, data and noise: the same losses."""
+    from flux_trainer.metrics.tensorboard import read_scalars
+
+    proc = trained.rerun("train.output_name=again", "train.save_every_n_steps=null", "sample.prompts=[]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "re-seeded (seed" in proc.stdout + proc.stderr
+    again = sorted((trained.run_dir.parent.parent / "again").glob("*"))[-1]
+
+    def loss(run):
+        return [v for _, v in read_scalars(next((run / "tb").rglob("events.out.tfevents.*")).parent)["loss/current"]]
+
+    first, second = loss(trained.run_dir), loss(again)
+    assert len(first) == len(second) == 2
+    assert second == pytest.approx(first, rel=1e-6)
