@@ -16,8 +16,10 @@ Where the weights come from:
 
 `reference_linear` is the computation fp8 replaces (what sd-scripts does under autocast: dequantised weight,
 bf16 matmul); `fp8_linear` must agree with it within fp8 rounding, forward and backward (registry probe, tests).
-The quantisation is written in plain PyTorch on purpose: under `compile_blocks` inductor fuses it into the kernel
-that produces the activation (the modulation, the GELU, the attention output reshape).
+Both matmuls are custom ops (`flux_kernels::fp8_mm` with its autograd formula, `flux_kernels::fp8_dgrad`): that
+is what lets torch.compile recompute them under sd-scripts' gradient checkpointing instead of keeping their outputs
+(see fp8_mm). The forward quantisation runs inside the op as one compiled kernel; the backward's is plain PyTorch
+in the backward graph, where inductor fuses it with the op producing the gradient.
 """
 
 from __future__ import annotations
@@ -72,35 +74,58 @@ def _(g8: Tensor, sg: Tensor, w8: Tensor) -> Tensor:
     return g8.new_empty((g8.shape[0], w8.shape[1]), dtype=torch.bfloat16)
 
 
-class _Fp8Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, w8: Tensor, w_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-        n = w8.shape[0]
-        x2 = x.reshape(-1, x.shape[-1])
-        x8, sx = quantize_rows(x2)
-        sw = torch.ones(1, n, device=x.device) if w_scale is None else w_scale.to(x.device).view(1, n)
-        y = _scaled_mm(x8, sx, w8.t(), sw, fast_accum=True)
-        ctx.save_for_backward(w8, w_scale)
-        ctx.x_dtype = x.dtype
-        return y.to(out_dtype).view(*x.shape[:-1], n)
+_quantize_compiled = None
 
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        w8, w_scale = ctx.saved_tensors
-        n, k = w8.shape
-        dy2 = dy.reshape(-1, n)
-        if w_scale is not None:  # dy @ (diag(s) W8) = (dy * s) @ W8: fold the row scales into dy before quantising
-            dy2 = dy2.float() * w_scale.to(dy.device).view(1, n)
-        g8, sg = quantize_rows(dy2)  # plain PyTorch: inductor fuses it with whatever produced dy
-        dx = fp8_dgrad(g8, sg, w8)
-        return dx.to(ctx.x_dtype).view(*dy.shape[:-1], k), None, None, None
+
+def _quantize_in_op(x2: Tensor) -> Tensor:
+    """quantize_rows inside the forward op: one compiled kernel on a GPU (eager it is four passes over x and the fp8
+    matmul loses its lead), plain PyTorch elsewhere."""
+    global _quantize_compiled
+    if x2.device.type != "cuda":
+        return quantize_rows(x2)
+    if _quantize_compiled is None:
+        _quantize_compiled = torch.compile(quantize_rows, dynamic=True)
+    return _quantize_compiled(x2)
+
+
+@torch.library.custom_op("flux_kernels::fp8_mm", mutates_args=())
+def fp8_mm(x2: Tensor, w8: Tensor, sw: Tensor) -> Tensor:
+    """x2 [M, K] (bf16/fp32) @ (W8 [N, K] * sw [1, N])^T in fp8, bf16 out. A custom op, not an autograd.Function
+    around plain ops: inside sd-scripts' gradient checkpointing, torch.compile's partitioner does not recompute a
+    _scaled_mm traced from an autograd.Function (compute-intensive, and not tagged as checkpointed) and kept every
+    block's matmul outputs until backward (measured: +12.5 GiB at fp8 base); an op traced under the checkpoint is
+    recomputed like the rest of the block."""
+    x8, sx = _quantize_in_op(x2)
+    return _scaled_mm(x8, sx, w8.t(), sw, fast_accum=True)
+
+
+@fp8_mm.register_fake
+def _(x2: Tensor, w8: Tensor, sw: Tensor) -> Tensor:
+    return x2.new_empty((x2.shape[0], w8.shape[0]), dtype=torch.bfloat16)
+
+
+def _fp8_mm_setup(ctx, inputs, output) -> None:
+    x2, w8, sw = inputs
+    ctx.save_for_backward(w8, sw)
+    ctx.x_dtype = x2.dtype
+
+
+def _fp8_mm_backward(ctx, dy: Tensor):
+    w8, sw = ctx.saved_tensors
+    # dy @ (diag(sw) W8) = (dy * sw) @ W8: the row scales folded into dy before it is quantised; plain PyTorch, so
+    # inductor fuses it with whatever produced dy
+    g8, sg = quantize_rows(dy.float() * sw)
+    return fp8_dgrad(g8, sg, w8).to(ctx.x_dtype), None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup)
 
 
 def fp8_linear(x: Tensor, w8: Tensor, w_scale: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, w8 * w_scale[:, None], bias) with the matmul in fp8 (forward and input gradient)."""
-    y = _Fp8Linear.apply(x, w8, w_scale, _out_dtype(x))
+    n, k = w8.shape
+    sw = torch.ones(1, n, device=x.device) if w_scale is None else w_scale.to(x.device, torch.float32).view(1, n)
+    y = fp8_mm(x.reshape(-1, k), w8, sw).to(_out_dtype(x)).view(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)
 
 
