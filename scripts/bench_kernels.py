@@ -133,6 +133,21 @@ def op_cases(dev, dtype, s):
     }
 
 
+def time_variants(row: dict, variants: dict, args, dev, warmup: int, reps: int, rate_key: str, rate) -> None:
+    """Into `row`, per variant `label`: label_ms (wall), label_gpu_ms (where the profiler sees the GPU) and
+    label_<rate_key> = rate(ms), from GPU time where measured; label_error instead if it fails."""
+    for label, fn in variants.items():
+        try:
+            run = fwd_bwd(fn, args)
+            row[f"{label}_ms"] = median_ms(run, dev, warmup, reps)
+            gpu = gpu_ms(run, dev, reps)
+            if gpu is not None:
+                row[f"{label}_gpu_ms"] = gpu
+            row[f"{label}_{rate_key}"] = rate(gpu or row[f"{label}_ms"])
+        except Exception as e:  # noqa: BLE001 - report and go on with the other columns
+            row[f"{label}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 def bench_ops(dev, dtype, s, names, warmup, reps, compiled: bool) -> list[dict]:
     rows = []
     for name, (args, nbytes) in op_cases(dev, dtype, s).items():
@@ -143,16 +158,7 @@ def bench_ops(dev, dtype, s, names, warmup, reps, compiled: bool) -> list[dict]:
         variants = {"ref": spec.reference, "fast": spec.fast}
         if compiled:
             variants["ref_compiled"] = torch.compile(spec.reference)
-        for label, fn in variants.items():
-            try:
-                run = fwd_bwd(fn, args)
-                row[f"{label}_ms"] = median_ms(run, dev, warmup, reps)
-                gpu = gpu_ms(run, dev, reps)
-                if gpu is not None:
-                    row[f"{label}_gpu_ms"] = gpu
-                row[f"{label}_gbps"] = nbytes / (gpu or row[f"{label}_ms"]) / 1e6
-            except Exception as e:  # noqa: BLE001 - report and go on with the other columns
-                row[f"{label}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        time_variants(row, variants, args, dev, warmup, reps, "gbps", lambda ms, nbytes=nbytes: nbytes / ms / 1e6)
         t = "_gpu_ms" if "fast_gpu_ms" in row else "_ms"  # speedups from GPU time where measured
         if f"ref{t}" in row and f"fast{t}" in row:
             row["speedup"] = row[f"ref{t}"] / row[f"fast{t}"]
@@ -194,16 +200,7 @@ def bench_fp8(dev, warmup, reps, tiny: bool, compiled: bool = True) -> list[dict
         }
         if compiled:
             variants["fp8_compiled"] = torch.compile(lambda x: fp8.fp8_linear(x, w8, scale))
-        for label, fn in variants.items():
-            try:
-                run = fwd_bwd(fn, (x,))
-                row[f"{label}_ms"] = median_ms(run, dev, warmup, reps)
-                gpu = gpu_ms(run, dev, reps)
-                t = gpu or row[f"{label}_ms"]
-                row[f"{label}_gpu_ms"] = gpu
-                row[f"{label}_tflops"] = flop / t / 1e9
-            except Exception as e:  # noqa: BLE001 - report and go on with the other columns
-                row[f"{label}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        time_variants(row, variants, (x,), dev, warmup, reps, "tflops", lambda ms, flop=flop: flop / ms / 1e9)
         best = row.get("fp8_compiled_tflops") or row.get("fp8_tflops")
         if best and row.get("bf16_tflops") and row.get("upcast_tflops"):
             row["vs_bf16"] = best / row["bf16_tflops"]
