@@ -160,7 +160,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
             dataset_toml=str(dataset_toml),
             random_model_dir=str(Path(cfg.model.flux).parent) if random_preset == "tiny" else None,
             kernels={"set": cfg.kernels.set},
-            metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg)},
+            metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
         )
         spec.write(run_dir)
@@ -194,6 +194,11 @@ def _gpus(cfg: DictConfig, info) -> int:
     if info.family == "cpu":
         return 0
     return info.count if cfg.launcher.gpus == "all" else int(cfg.launcher.gpus)
+
+
+def _profile_options(cfg: DictConfig) -> dict:
+    at = cfg.logging.get("profile_at")
+    return {} if at is None else {"profile_at": int(at), "profile_steps": int(cfg.logging.profile_steps)}
 
 
 def _flops_options(cfg: DictConfig) -> dict:

@@ -109,6 +109,8 @@ class KernelsConfig:
 class LoggingConfig:
     root: str = "runs"  # every run dir lives under here; `tensorboard --logdir <root>` compares them
     tensorboard: bool = True
+    profile_at: int | None = None  # profile from this optimizer step: <run>/profile/ (trace, time by kernel kind)
+    profile_steps: int = 3  # how many steps the profile covers
 
 
 @dataclass

@@ -166,6 +166,12 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
             f"train.output_name={tr.output_name!r}: use letters, digits, '.', '_' and '-' (it names files and folders)"
         )
 
+    lg = cfg.logging
+    if lg.profile_at is not None and (lg.profile_at < 1 or lg.profile_steps < 1):
+        problems.append(
+            f"logging.profile_at={lg.profile_at}, logging.profile_steps={lg.profile_steps}: both must be at least 1 "
+            "(profile_at is the first profiled optimizer step; null turns profiling off)"
+        )
     gpus = cfg.launcher.gpus
     if not (gpus == "all" or (isinstance(gpus, int) and gpus >= 1)):
         problems.append(f"launcher.gpus={gpus}: a positive number or 'all'")

@@ -23,6 +23,8 @@ class RunHooks:
         self.metrics = None
         self.loss_guard = None
         self.slowdown = None
+        self.profiler = None
+        self._accelerator = None
         self.kernels_installed: list[str] = []
         self._texts_written = False
         self._samples_logged: set[str] = set()
@@ -42,11 +44,24 @@ class RunHooks:
 
         set_seed(int(args.seed))
         if not getattr(self, "_reseeded", False):
-            log.info("random state re-seeded (seed %s) after caching: same seed, same run, caches built or not", args.seed)
+            log.info(
+                "random state re-seeded (seed %s) after caching: same seed, same run, caches built or not", args.seed
+            )
             self._reseeded = True
 
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
+        self._accelerator = accelerator
+        if self.spec.metrics.get("profile_at"):
+            from flux_trainer.metrics.profile import StepProfiler
+
+            self.profiler = StepProfiler(
+                self.run_dir,
+                at=int(self.spec.metrics["profile_at"]),
+                steps=int(self.spec.metrics.get("profile_steps", 3)),
+                accumulation=int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+                rank=int(getattr(accelerator, "process_index", 0)),
+            )
         if self.spec.metrics.get("enabled", True):
             from flux_trainer.metrics.health import LossGuard, SlowdownDetector
 
@@ -56,11 +71,15 @@ class RunHooks:
 
     def step_start(self, accelerator: Any = None) -> None:
         """Runs on every rank: the data-wait mark, and every RANK_REDUCE_EVERY micro-steps the peak VRAM of the
-        busiest rank (a collective, so it cannot live in step_logging, which sd-scripts calls on rank 0 only)."""
+        busiest rank (a collective, so it cannot live in step_logging, which sd-scripts calls on rank 0 only).
+        The profiler window opens and closes here too, on every rank."""
+        self._micro_steps += 1
+        if self.profiler is not None and accelerator is not None:
+            if self.profiler.on_batch(self._micro_steps, accelerator.device):
+                self.profile_written(accelerator)
         if self.metrics is None:
             return
         self.metrics.mark_data_ready()
-        self._micro_steps += 1
         if accelerator is not None and getattr(accelerator, "num_processes", 1) > 1:
             if self._micro_steps % RANK_REDUCE_EVERY == 0:
                 from flux_trainer.metrics.step import reduce_max_across_ranks
@@ -88,6 +107,21 @@ class RunHooks:
         if "time/step_s" in tags and (msg := self.slowdown.observe(tags["time/step_s"], global_step)):
             log.warning(msg)
         return tags
+
+    def train_finished(self) -> None:
+        """sd-scripts' train() returned or raised: close a profile window the run ended inside."""
+        if self.profiler is not None and self.profiler.close():
+            self.profile_written(self._accelerator)
+
+    def profile_written(self, accelerator: Any) -> None:
+        if not getattr(accelerator, "is_main_process", True):
+            return
+        log.info("profile of %d step(s) in %s:\n%s", self.profiler.steps, self.profiler.out_dir, self.profiler.text)
+        logdir = tracker_logdir(accelerator)
+        if logdir is not None:
+            from flux_trainer.metrics.tensorboard import write_run_text
+
+            write_run_text(logdir, {"profile": self.profiler.text})
 
     def log_new_samples(self, accelerator: Any, sample_dir: Path, global_step: int) -> list[str]:
         """Images sd-scripts just rendered into <output_dir>/sample, as TensorBoard images (`samples/<n>`)."""

@@ -59,6 +59,12 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
             super().__init__()
             self.flux_train = hooks.RunHooks(spec, run_dir)
 
+        def train(self, args):
+            try:
+                return super().train(args)
+            finally:
+                self.flux_train.train_finished()
+
         def load_target_model(self, args, weight_dtype, accelerator):
             if spec.random_model_dir:
                 from flux_trainer.sdscripts.random_model import load_random_models

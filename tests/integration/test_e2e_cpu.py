@@ -56,6 +56,7 @@ def trained(tmp_path_factory):
         "sample.steps=2",
         "sample.width=64",
         "sample.height=64",
+        "logging.profile_at=2",  # the run ends inside the 3-step window: the profile closes with the 1 step it saw
     ]
     if not shutil.which("flux-train"):
         cmd = [sys.executable, "-m", "flux_trainer.cli", *cmd[1:]]
@@ -107,6 +108,24 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     assert "host/ram_gib" in scalars and scalars["host/ram_gib"][-1][1] > 0.1
     assert any("config" in t for t in texts) and "tiny" in texts["run/config"]
     assert "accelerate.commands.launch" in texts["run/command"] and texts["run/kernels"]
+
+
+def test_profile_written_when_the_run_ends_inside_its_window(trained):
+    import gzip
+    import json
+
+    from flux_trainer.metrics.tensorboard import read_texts
+
+    profile = trained.run_dir / "profile"
+    summary = (profile / "summary.txt").read_text()
+    assert summary.startswith("profiled 1 step(s)") and "top CPU ops" in summary
+    assert json.loads((profile / "summary.json").read_text())["steps"] == 1
+    trace = json.load(gzip.open(profile / "trace-rank0.json.gz"))
+    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    texts = {}
+    for d in {p.parent for p in (trained.run_dir / "tb").rglob("events.out.tfevents.*")}:
+        texts.update(read_texts(d))
+    assert texts["run/profile"].startswith("profiled 1 step(s)")
 
 
 def test_samples_and_hparams_in_tensorboard(trained):

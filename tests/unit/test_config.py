@@ -152,3 +152,11 @@ def test_random_preset_paths_live_in_the_model_cache(compose, monkeypatch, tmp_p
     cfg = compose("+dataset=mychar", "model=random_tiny")
     assert Path(cfg.model.flux).parent.parent == tmp_path / "mc"
     assert Path(cfg.model.flux).name == "flux.safetensors" and "random-tiny-" in cfg.model.flux
+
+
+def test_profile_window_must_be_positive(compose):
+    assert validate(compose("+dataset=mychar", "model=random_tiny", "logging.profile_at=5")) == []
+    (p,) = problems_of(
+        compose("+dataset=mychar", "model=random_tiny", "logging.profile_at=5", "logging.profile_steps=0")
+    )
+    assert "logging.profile_steps=0" in p and "at least 1" in p

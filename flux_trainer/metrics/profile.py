@@ -1,0 +1,208 @@
+"""`logging.profile_at=N`: profile a few training steps with torch.profiler and say where the step's time went.
+
+Writes, under ``<run>/profile/``: ``trace-rank<R>.json.gz`` (open it in Perfetto or chrome://tracing),
+``summary.txt`` / ``summary.json`` (device time per step by kind of kernel: matmul, attention, Triton-generated,
+eager elementwise, optimizer, copies; how long the device sat idle within the step; the top kernels), and the
+summary as TensorBoard text ``run/profile``. The window is whole batches: it opens at the start of batch
+``(N-1) x accumulation + 1`` and closes at the start of the batch after ``steps`` optimizer steps, so it holds
+everything the loop does between them (forward, backward, optimizer, logging).
+
+Nothing here runs unless asked: profiling slows the steps it covers, so those steps' `time/*` tags are not
+representative (the summary's device times are).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# first match wins: cuDNN's attention kernels carry "wgmma" too, so attention is tried before matmul
+KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("communication", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|scaled_mm|wgmma|triton_tem|splitk", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|foreach|adam|prodigy", re.I)),
+    ("triton", re.compile(r"^triton_|^flux_kernels|_kernel_tl|^_tl_", re.I)),
+    ("copy/cast", re.compile(r"memcpy|memset|copy|cast|fill|cat_|catarray", re.I)),
+    ("reduction", re.compile(r"reduce", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise", re.I)),
+)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One device activity: a kernel, copy or memset, times in microseconds."""
+
+    name: str
+    start_us: float
+    dur_us: float
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+
+
+def busy_us(kernels: Iterable[Kernel]) -> float:
+    """Time the device ran anything: the union of the kernels' intervals (streams overlap; summing would not)."""
+    total, end = 0.0, float("-inf")
+    for k in sorted(kernels, key=lambda k: k.start_us):
+        stop = k.start_us + k.dur_us
+        if stop <= end:
+            continue
+        total += stop - max(k.start_us, end)
+        end = stop
+    return total
+
+
+def summarize(kernels: list[Kernel], wall_s: float, steps: int, top: int = 12) -> dict[str, Any]:
+    """Per-step figures of a profiled window: wall, device busy/idle, time by kind and the top kernels."""
+    per_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for k in kernels:
+        for table, key in ((per_kind, kind_of(k.name)), (per_name, k.name)):
+            table[key][0] += k.dur_us
+            table[key][1] += 1
+    busy = busy_us(kernels) / 1e3 / steps
+    kernel_sum = sum(k.dur_us for k in kernels) / 1e3 / steps
+    wall = wall_s * 1e3 / steps
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall,
+        "device_busy_ms_per_step": busy,
+        "device_idle_ms_per_step": max(0.0, wall - busy) if kernels else None,
+        "kernels_per_step": len(kernels) / steps,
+        "by_kind": {
+            kind: {"ms_per_step": t / 1e3 / steps, "share": t / 1e3 / steps / kernel_sum, "count_per_step": n / steps}
+            for kind, (t, n) in sorted(per_kind.items(), key=lambda kv: -kv[1][0])
+        },
+        "top_kernels": [
+            {
+                "name": name,
+                "kind": kind_of(name),
+                "ms_per_step": t / 1e3 / steps,
+                "calls_per_step": n / steps,
+                "mean_us": t / n,
+            }
+            for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+        ],  # fmt: skip
+    }
+
+
+def format_summary(summary: dict[str, Any], cpu_ops: list[tuple[str, float]] | None = None) -> str:
+    s = summary
+    lines = [f"profiled {s['steps']} step(s): wall {s['wall_ms_per_step']:.1f} ms/step (profiler overhead included)"]
+    if s["kernels_per_step"] == 0:
+        lines.append("no device kernels seen (a CPU run): top CPU ops by self time, ms per step")
+        lines += [f"  {ms:9.2f}  {name[:100]}" for name, ms in cpu_ops or []]
+        return "\n".join(lines) + "\n"
+    idle = s["device_idle_ms_per_step"]
+    lines.append(
+        f"device busy {s['device_busy_ms_per_step']:.1f} ms/step, idle {idle:.1f} ms/step "
+        f"({idle / s['wall_ms_per_step']:.0%} of wall), {s['kernels_per_step']:.0f} kernels/step"
+    )
+    lines.append(f"{'kind':<12} {'ms/step':>9} {'share':>6} {'kernels/step':>13}")
+    for kind, row in s["by_kind"].items():
+        lines.append(f"{kind:<12} {row['ms_per_step']:9.2f} {row['share']:6.1%} {row['count_per_step']:13.0f}")
+    lines.append(f"top kernels: {'ms/step':>9} {'calls':>6} {'mean us':>8}  kind         name")
+    for row in s["top_kernels"]:
+        lines.append(
+            f"            {row['ms_per_step']:9.2f} {row['calls_per_step']:6.0f} {row['mean_us']:8.1f}  "
+            f"{row['kind']:<12} {row['name'][:110]}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def device_kernels(events: Iterable[Any]) -> list[Kernel]:
+    """The device-side activities among torch.profiler's events (everything not on the CPU)."""
+    out = []
+    for e in events:
+        if str(getattr(e, "device_type", "")).endswith("CPU"):
+            continue
+        out.append(Kernel(e.name, float(e.time_range.start), float(e.time_range.elapsed_us())))
+    return out
+
+
+def cpu_top_ops(prof: Any, steps: int, top: int = 12) -> list[tuple[str, float]]:
+    rows = sorted(prof.key_averages(), key=lambda r: -r.self_cpu_time_total)[:top]
+    return [(r.key, r.self_cpu_time_total / 1e3 / steps) for r in rows]
+
+
+class StepProfiler:
+    """Opens torch.profiler at the start of a chosen batch and closes it `steps` optimizer steps later."""
+
+    def __init__(self, run_dir: Path, at: int, steps: int = 3, accumulation: int = 1, rank: int = 0) -> None:
+        if at < 1 or steps < 1:
+            raise ValueError(f"logging.profile_at must be >= 1 and logging.profile_steps >= 1, got {at}, {steps}")
+        self.out_dir = Path(run_dir) / "profile"
+        self.first = (at - 1) * accumulation + 1  # micro-batch numbers, 1-based
+        self.stop_at = self.first + steps * accumulation
+        self.steps = steps
+        self.accumulation = accumulation
+        self._seen = 0
+        self._started_at = 0
+        self.rank = rank
+        self._prof: Any = None
+        self._t0 = 0.0
+        self._device: Any = None
+        self.summary: dict[str, Any] | None = None
+        self.text: str | None = None
+
+    def on_batch(self, micro_step: int, device: Any) -> bool:
+        """Call at the start of every micro-batch; returns True when it just wrote a profile."""
+        self._seen = micro_step
+        if micro_step == self.first and self._prof is None:
+            self._start(device, micro_step)
+        elif micro_step == self.stop_at and self._prof is not None:
+            self._finish(device)
+            return True
+        return False
+
+    def close(self) -> bool:
+        """At the end of training: a window the run ended inside is written with the steps it saw."""
+        if self._prof is None:
+            return False
+        self._finish(self._device)
+        return True
+
+    def _start(self, device: Any, micro_step: int) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if getattr(device, "type", "") == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+            torch.cuda.synchronize(device)
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+        self._device = device
+        self._started_at = micro_step
+
+    def _finish(self, device: Any) -> None:
+        import torch
+
+        if getattr(device, "type", "") == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - self._t0
+        prof, self._prof = self._prof, None
+        if self._seen < self.stop_at:  # closed by the end of training: only the batches that ran
+            self.steps = max(1, (self._seen - self._started_at + 1) // self.accumulation)
+        prof.__exit__(None, None, None)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.summary = summarize(device_kernels(prof.events()), wall, self.steps)
+        self.text = format_summary(self.summary, cpu_top_ops(prof, self.steps))
+        trace = self.out_dir / f"trace-rank{self.rank}.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
+            dst.writelines(src)
+        trace.unlink()
+        if self.rank == 0:
+            (self.out_dir / "summary.txt").write_text(self.text)
+            (self.out_dir / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
