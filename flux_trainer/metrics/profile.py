@@ -36,6 +36,12 @@ KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
+# matmul ops and the positions of their two factors among the op's inputs (record_shapes)
+MATMUL_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::_scaled_mm": (0, 1), "aten::bmm": (0, 1),
+              "aten::baddbmm": (1, 2)}  # fmt: skip
+LARGE_MATMUL_FLOP = 5e9  # a FLUX 3072x3072 projection of 4096 tokens is 77 GFLOP; a rank-16 LoRA factor 0.4
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One device activity: a kernel, copy or memset, times in microseconds."""
@@ -61,7 +67,38 @@ def busy_us(kernels: Iterable[Kernel]) -> float:
     return total
 
 
-def summarize(kernels: list[Kernel], wall_s: float, steps: int, top: int = 12) -> dict[str, Any]:
+def matmul_flop(name: str, shapes: list[list[int]]) -> float:
+    """FLOPs of one matmul op from its recorded input shapes (0 when they are not what the op should take)."""
+    i, j = MATMUL_OPS[name]
+    try:
+        a, b = shapes[i], shapes[j]
+        if len(a) == 3:
+            return 2.0 * a[0] * a[1] * a[2] * b[2]
+        return 2.0 * a[0] * a[1] * b[1]
+    except (IndexError, TypeError):
+        return 0.0
+
+
+def matmul_rates(events: Iterable[Any], steps: int) -> dict[str, dict[str, float]]:
+    """Achieved rate of the matmul ops, large (the model's projections) and small (LoRA factors, modulation):
+    FLOPs from the shapes, device time from the kernels each op launched."""
+    acc: dict[str, list[float]] = {"large": [0.0, 0.0, 0], "small": [0.0, 0.0, 0]}
+    for e in events:
+        if e.name not in MATMUL_OPS or getattr(e.cpu_parent, "name", None) in MATMUL_OPS:
+            continue
+        flop = matmul_flop(e.name, e.input_shapes)
+        row = acc["large" if flop >= LARGE_MATMUL_FLOP else "small"]
+        row[0] += flop
+        row[1] += float(e.device_time_total)
+        row[2] += 1
+    return {
+        size: {"calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps, "tflop_per_step": flop / 1e12 / steps,
+               "tflops": flop / (us * 1e-6) / 1e12 if us else 0.0}
+        for size, (flop, us, n) in acc.items() if n
+    }  # fmt: skip
+
+
+def summarize(kernels: list[Kernel], wall_s: float, steps: int, top: int = 20) -> dict[str, Any]:
     """Per-step figures of a profiled window: wall, device busy/idle, time by kind and the top kernels."""
     per_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -110,6 +147,11 @@ def format_summary(summary: dict[str, Any], cpu_ops: list[tuple[str, float]] | N
     lines.append(f"{'kind':<12} {'ms/step':>9} {'share':>6} {'kernels/step':>13}")
     for kind, row in s["by_kind"].items():
         lines.append(f"{kind:<12} {row['ms_per_step']:9.2f} {row['share']:6.1%} {row['count_per_step']:13.0f}")
+    for size, row in s.get("matmuls", {}).items():
+        lines.append(
+            f"{size} matmuls: {row['calls_per_step']:.0f}/step, {row['ms_per_step']:.2f} ms/step, "
+            f"{row['tflop_per_step']:.2f} TFLOP/step, {row['tflops']:.0f} TFLOP/s"
+        )
     lines.append(f"top kernels: {'ms/step':>9} {'calls':>6} {'mean us':>8}  kind         name")
     for row in s["top_kernels"]:
         lines.append(
@@ -179,7 +221,7 @@ class StepProfiler:
         if getattr(device, "type", "") == "cuda":
             activities.append(ProfilerActivity.CUDA)
             torch.cuda.synchronize(device)
-        self._prof = profile(activities=activities)
+        self._prof = profile(activities=activities, record_shapes=True)
         self._prof.__enter__()
         self._t0 = time.perf_counter()
         self._device = device
@@ -196,7 +238,10 @@ class StepProfiler:
             self.steps = max(1, (self._seen - self._started_at + 1) // self.accumulation)
         prof.__exit__(None, None, None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.summary = summarize(device_kernels(prof.events()), wall, self.steps)
+        events = prof.events()
+        self.summary = summarize(device_kernels(events), wall, self.steps)
+        if self.summary["kernels_per_step"]:
+            self.summary["matmuls"] = matmul_rates(events, self.steps)
         self.text = format_summary(self.summary, cpu_top_ops(prof, self.steps))
         trace = self.out_dir / f"trace-rank{self.rank}.json"
         prof.export_chrome_trace(str(trace))

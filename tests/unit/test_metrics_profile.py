@@ -85,3 +85,38 @@ def test_only_rank_zero_writes_the_summary(tmp_path):
 def test_bad_window_is_refused(tmp_path):
     with pytest.raises(ValueError, match="profile_at"):
         StepProfiler(tmp_path, at=0)
+
+
+def test_matmul_rates_split_projections_from_lora_factors():
+    from types import SimpleNamespace as E
+
+    from flux_trainer.metrics.profile import matmul_rates
+
+    mm = E(name="aten::mm", input_shapes=[[4096, 3072], [3072, 3072]], device_time_total=100.0, cpu_parent=None)
+    lora = E(name="aten::mm", input_shapes=[[4096, 3072], [3072, 16]], device_time_total=10.0, cpu_parent=None)
+    addmm = E(name="aten::addmm", input_shapes=[[3072], [4096, 3072], [3072, 3072], [], []], device_time_total=100.0,
+              cpu_parent=E(name="aten::linear"))  # fmt: skip
+    inner = E(name="aten::mm", input_shapes=[[4096, 3072], [3072, 3072]], device_time_total=100.0, cpu_parent=addmm)
+    other = E(name="aten::add", input_shapes=[[1]], device_time_total=5.0, cpu_parent=None)
+    rates = matmul_rates([mm, lora, addmm, inner, other], steps=2)
+    big = 2 * 4096 * 3072 * 3072
+    assert rates["large"]["calls_per_step"] == 1.0  # mm + addmm over 2 steps; the mm inside addmm is not counted
+    assert rates["large"]["tflops"] == pytest.approx(2 * big / 200e-6 / 1e12)
+    assert rates["small"]["tflop_per_step"] == pytest.approx(2 * 4096 * 3072 * 16 / 2 / 1e12)
+    assert rates["small"]["ms_per_step"] == pytest.approx(0.005)
+
+
+def test_matmul_rates_read_real_profiler_events():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from flux_trainer.metrics.profile import matmul_rates
+
+    x, w, lora = torch.randn(512, 2048), torch.randn(2048, 2048), torch.randn(2048, 16)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch.nn.functional.linear(x, w, torch.randn(2048))  # addmm: 4.3 GFLOP, small by the 5 GFLOP line
+        x @ lora
+        torch.cat([x, x, x]) @ w  # 12.9 GFLOP
+    rates = matmul_rates(prof.events(), steps=1)
+    assert rates["large"]["calls_per_step"] == 1 and rates["small"]["calls_per_step"] == 2
+    assert rates["large"]["tflop_per_step"] == pytest.approx(2 * 1536 * 2048 * 2048 / 1e12)
