@@ -240,12 +240,23 @@ def install_fp8(model: nn.Module, quantize: bool = False, device=None, **_) -> s
     return f"fp8_matmul: {done} Linear layers of {len(double)} double + {len(single)} single blocks ({note})"
 
 
+def install_lora_norms(model: nn.Module, **_) -> str:
+    """sd-scripts' per-step LoRA gradient row norms from rank-sized factors (flux_kernels.lora_norms)."""
+    from flux_kernels import lora_norms
+
+    done, skipped = lora_norms.install(model)
+    if not done:
+        raise KernelError("lora_grad_norms: no LoRA module (2-D lora_up/lora_down) is applied to this model")
+    return f"lora_grad_norms: {done} LoRA modules" + (f" ({skipped} conv LoRA left as they are)" if skipped else "")
+
+
 def remove_kernels(model: nn.Module) -> list[str]:
     """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation,
     Linear layers get their forward back (weights that fp8_matmul quantised stay fp8)."""
-    from flux_kernels import fp8
+    from flux_kernels import fp8, lora_norms
 
     undone = ["fp8"] if fp8.uninstall(model) else []
+    undone += ["lora_norms"] if lora_norms.uninstall(model) else []
     for b in model.modules():
         if hasattr(b, ATTR):
             delattr(b, ATTR)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from flux_kernels import fast, fp8, patch, reference
+from flux_kernels import fast, fp8, lora_norms, patch, reference
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
 from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
 from flux_kernels.patch import KernelError
@@ -110,6 +110,15 @@ def fp8_base_only(model) -> tuple[bool, str]:
     if fp8.has_fp8_weights(double + single):
         return True, "the base weights are fp8"
     return False, "the base weights are not fp8 (name fp8_matmul, or kernels=fp8, to quantise them)"
+
+
+def any_applies(device) -> tuple[bool, str]:
+    return True, f"plain PyTorch, any device ({as_device_info(device).name})"
+
+
+def has_lora(model) -> tuple[bool, str]:
+    n = len(lora_norms.lora_modules(model))
+    return (True, f"{n} LoRA modules") if n else (False, "no LoRA module is applied to the model")
 
 
 def compile_applies(device) -> tuple[bool, str]:
@@ -245,6 +254,13 @@ def fp8_example(device, dtype, M=37, K=64, N=96):
     return x, w8.to(device), scale.to(device), bias
 
 
+def lora_norms_example(device, dtype, out=40, inp=72, r=4):
+    gen = torch.Generator().manual_seed(0)
+    up, down, d_up, d_down = (_rand(*s, device=device, dtype=dtype, gen=gen, grad=False)
+                              for s in ((out, r), (r, inp), (out, r), (r, inp)))  # fmt: skip
+    return up, down, d_up, d_down, 0.5
+
+
 def compile_check(info: DeviceInfo) -> tuple[bool, str]:
     dev = info.torch_device
 
@@ -329,6 +345,19 @@ REGISTRY: dict[str, KernelSpec] = {
             dtypes=(torch.bfloat16,),
             tolerance=FP8_TOLERANCE,
             auto_if=fp8_base_only,
+        ),
+        KernelSpec(
+            "lora_grad_norms",
+            "the LoRA gradient row norms sd-scripts computes every step (norm/avg_grad_norm, GGPO) from a [2r, 2r] "
+            "Gram matrix per module instead of a weight-sized product (55 ms of a 0.43 s FLUX step on an H200)",
+            any_applies,
+            patch.install_lora_norms,
+            reference=lora_norms.reference_row_norms,
+            fast=lora_norms.row_norms,
+            example=lora_norms_example,
+            dtypes=(torch.float32,),
+            tolerance=1e-5,
+            auto_if=has_lora,
         ),
         KernelSpec(
             "compile_blocks",

@@ -1,0 +1,110 @@
+"""lora_grad_norms: the Gram-matrix row norms against the plain product, and against sd-scripts' own
+LoRAModule.update_grad_norms on a real LoRA module (skipped with the reason when no sd-scripts checkout)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+from flux_kernels import lora_norms, patch
+from flux_kernels.registry import REGISTRY, KernelError, unchecked
+
+
+@pytest.mark.parametrize("out, inp, r, scale", [(40, 72, 4, 0.5), (3072, 3072, 16, 1.0), (7, 5, 3, -2.0)])
+def test_gram_norms_equal_the_product(out, inp, r, scale):
+    gen = torch.Generator().manual_seed(out)
+    up, d_up = torch.randn(out, r, generator=gen), torch.randn(out, r, generator=gen) * 1e-3
+    down, d_down = torch.randn(r, inp, generator=gen) * 0.1, torch.randn(r, inp, generator=gen) * 1e-2
+    got = lora_norms.row_norms(up, down, d_up, d_down, scale)
+    want = lora_norms.reference_row_norms(up, down, d_up, d_down, scale)
+    assert got.shape == (out, 1) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def test_bf16_factors_are_multiplied_in_fp32():
+    gen = torch.Generator().manual_seed(1)
+    t = [torch.randn(s, generator=gen).bfloat16() for s in ((24, 4), (4, 40), (24, 4), (4, 40))]
+    torch.testing.assert_close(lora_norms.row_norms(*t, 0.25), lora_norms.reference_row_norms(*t, 0.25), rtol=1e-5,
+                               atol=0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_flux():
+    from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
+
+    try:
+        import_sd_scripts(locate().path)
+        return importlib.import_module("networks.lora_flux")
+    except Exception as e:  # noqa: BLE001 - not found, or not importable here: either way the test cannot run
+        pytest.skip(f"sd-scripts not importable: {e}")
+
+
+def _model_with_lora(lora_flux, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 32)).requires_grad_(False)
+    loras = [lora_flux.LoRAModule(f"lora_unet_{i}", model[i], lora_dim=4, alpha=2) for i in (0, 2)]
+    for lo in loras:
+        lo.apply_to()
+        nn.init.normal_(lo.lora_up.weight, std=0.1)  # sd-scripts starts lora_up at zero: give it a value
+    model(torch.randn(6, 48)).square().mean().backward()
+    return model, loras
+
+
+def test_same_norms_as_sd_scripts_update_grad_norms(lora_flux):
+    model, loras = _model_with_lora(lora_flux)
+    for lo in loras:
+        lo.update_grad_norms()  # sd-scripts' own (under CPU autocast: bf16)
+    theirs = [lo.grad_norms.float().clone() for lo in loras]
+    assert lora_norms.install(model) == (2, 0)
+    assert [id(m) for m in lora_norms.lora_modules(model)] == [id(lo) for lo in loras]
+    for lo in loras:
+        del lo.grad_norms
+        lo.update_grad_norms()
+    for lo, want in zip(loras, theirs, strict=True):
+        assert lo.grad_norms.shape == want.shape == (lo.lora_up.weight.shape[0], 1)
+        torch.testing.assert_close(lo.grad_norms, want, rtol=2e-2, atol=1e-6)  # theirs rounded to bf16
+        exact = lora_norms.reference_row_norms(lo.lora_up.weight, lo.lora_down.weight, lo.lora_up.weight.grad,
+                                               lo.lora_down.weight.grad, lo.scale)  # fmt: skip
+        torch.testing.assert_close(lo.grad_norms, exact, rtol=1e-5, atol=0)
+    loras[0].eval()
+    del loras[0].grad_norms
+    loras[0].update_grad_norms()  # not training: nothing computed, as in sd-scripts
+    assert not hasattr(loras[0], "grad_norms")
+
+
+def test_uninstall_gives_sd_scripts_method_back(lora_flux):
+    model, loras = _model_with_lora(lora_flux)
+    lora_norms.install(model)
+    assert "update_grad_norms" in loras[0].__dict__
+    assert patch.remove_kernels(model) == ["lora_norms"]
+    assert "update_grad_norms" not in loras[0].__dict__
+    assert loras[0].update_grad_norms.__func__ is type(loras[0]).update_grad_norms
+
+
+def test_auto_skips_a_model_without_lora_and_naming_it_is_an_error(lora_flux):
+    bare = nn.Sequential(nn.Linear(4, 4))
+    sel = unchecked(["lora_grad_norms"])
+    with pytest.raises(KernelError, match="no LoRA module"):
+        patch.apply_kernels(bare, sel)
+    auto = type(sel)(sel.installed, {}, None, sel.specs, explicit=False)
+    assert patch.apply_kernels(bare, auto) == []
+    assert REGISTRY["lora_grad_norms"].auto_if(_model_with_lora(lora_flux)[0]) == (True, "2 LoRA modules")
+
+
+def test_conv_lora_is_left_alone():
+    class ConvLora(nn.Module):
+        def __init__(self, conv):
+            super().__init__()
+            self.lora_up, self.lora_down = nn.Conv2d(2, 3, 1), nn.Conv2d(3, 2, 1)
+            self.scale = 1.0
+            conv.forward = self.forward
+
+        def update_grad_norms(self):
+            pass
+
+    model = nn.Sequential(nn.Conv2d(3, 3, 1))
+    lora = ConvLora(model[0])
+    assert lora_norms.install(model) == (0, 1) and "update_grad_norms" not in lora.__dict__
