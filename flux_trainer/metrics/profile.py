@@ -162,10 +162,14 @@ def format_summary(summary: dict[str, Any], cpu_ops: list[tuple[str, float]] | N
 
 
 def device_kernels(events: Iterable[Any]) -> list[Kernel]:
-    """The device-side activities among torch.profiler's events (everything not on the CPU)."""
+    """The device-side activities among torch.profiler's events (everything not on the CPU), without the user
+    annotations mirrored onto the device timeline (inductor's `## Call CompiledFxGraph ... ##` spans whole graphs:
+    counting them would count their kernels twice)."""
     out = []
     for e in events:
-        if str(getattr(e, "device_type", "")).endswith("CPU"):
+        if str(getattr(e, "device_type", "")).endswith("CPU") or getattr(e, "is_user_annotation", False):
+            continue
+        if e.name.startswith("## ") or e.name.startswith("ProfilerStep#"):
             continue
         out.append(Kernel(e.name, float(e.time_range.start), float(e.time_range.elapsed_us())))
     return out

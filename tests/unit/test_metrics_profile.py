@@ -120,3 +120,17 @@ def test_matmul_rates_read_real_profiler_events():
     rates = matmul_rates(prof.events(), steps=1)
     assert rates["large"]["calls_per_step"] == 1 and rates["small"]["calls_per_step"] == 2
     assert rates["large"]["tflop_per_step"] == pytest.approx(2 * 1536 * 2048 * 2048 / 1e12)
+
+
+def test_device_kernels_leave_out_annotations_and_cpu_ops():
+    from types import SimpleNamespace as E
+
+    from flux_trainer.metrics.profile import device_kernels
+
+    def ev(name, device="DeviceType.CUDA", annotation=False):
+        return E(name=name, device_type=device, is_user_annotation=annotation,
+                 time_range=E(start=1.0, elapsed_us=lambda: 2.0))  # fmt: skip
+
+    events = [ev("nvjet_gemm"), ev("aten::mm", "DeviceType.CPU"), ev("## Call CompiledFxGraph abc ##"),
+              ev("region", annotation=True), ev("triton_poi_fused_add_0")]  # fmt: skip
+    assert [k.name for k in device_kernels(events)] == ["nvjet_gemm", "triton_poi_fused_add_0"]
