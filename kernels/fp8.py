@@ -60,12 +60,34 @@ def _scaled_mm(a8: Tensor, sa: Tensor, b8_t: Tensor, sb: Tensor, fast_accum: boo
     return torch._scaled_mm(a8, b8_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
+TRANSPOSE_TILE = (64, 64)  # bytes: rows x columns of one program's tile
+
+
+def transpose(w8: Tensor) -> Tensor:
+    """w8 [R, C] (1-byte elements) -> its transpose [C, R], contiguous: a tiled Triton copy where Triton runs (see
+    tl_transpose), PyTorch's strided copy elsewhere. Bit-exact either way: only bytes move."""
+    from flux_kernels.device import triton_runs_on
+
+    if w8.dim() != 2 or w8.element_size() != 1 or not triton_runs_on(w8):
+        return w8.t().contiguous()
+    import triton
+
+    from flux_kernels.tl_transpose import transpose_2d
+
+    src = w8.contiguous().view(torch.uint8)
+    rows, cols = src.shape
+    out = torch.empty((cols, rows), dtype=torch.uint8, device=w8.device)
+    br, bc = TRANSPOSE_TILE
+    transpose_2d[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](src, out, rows, cols, BLOCK_R=br, BLOCK_C=bc)
+    return out.view(w8.dtype)
+
+
 @torch.library.custom_op("flux_kernels::fp8_dgrad", mutates_args=())
 def fp8_dgrad(g8: Tensor, sg: Tensor, w8: Tensor) -> Tensor:
     """dx = (g8 * sg) @ W8, bf16: W8 [N, K] transposed in fp8 right here, the operand _scaled_mm needs. A custom op
     so torch.compile cannot hoist the transpose into the forward graph and keep one transposed copy of every
     weight alive until backward (measured: +12 GiB on FLUX at fp8 base, when it was plain PyTorch)."""
-    wt8 = w8.t().contiguous()
+    wt8 = transpose(w8)
     return _scaled_mm(g8, sg, wt8.t(), torch.ones(1, w8.shape[1], device=g8.device), fast_accum=False)
 
 

@@ -201,6 +201,12 @@ def bench_fp8(dev, warmup, reps, tiny: bool, compiled: bool = True) -> list[dict
         if compiled:
             variants["fp8_compiled"] = torch.compile(lambda x: fp8.fp8_linear(x, w8, scale))
         time_variants(row, variants, (x,), dev, warmup, reps, "tflops", lambda ms, flop=flop: flop / ms / 1e9)
+        # the input gradient's transposed fp8 weight: PyTorch's strided copy vs flux_kernels' tiled Triton copy
+        row["transpose_exact"] = torch.equal(fp8.transpose(w8).view(torch.uint8), w8.t().contiguous().view(torch.uint8))
+        for label, fn in (("transpose_torch", lambda w8=w8: w8.t().contiguous()),
+                          ("transpose_triton", lambda w8=w8: fp8.transpose(w8))):  # fmt: skip
+            ms = gpu_ms(fn, dev, reps) or median_ms(fn, dev, warmup, reps)
+            row[f"{label}_us"], row[f"{label}_tbps"] = ms * 1e3, 2 * n * k / ms / 1e9
         best = row.get("fp8_compiled_tflops") or row.get("fp8_tflops")
         if best and row.get("bf16_tflops") and row.get("upcast_tflops"):
             row["vs_bf16"] = best / row["bf16_tflops"]
@@ -329,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         print_table("fp8 frozen Linear, forward + input gradient (TFLOP/s from GPU time; vs_*: fp8 (compiled) / other)",
                     result["fp8"], ["shape", "bf16_tflops", "upcast_tflops", "fp8_tflops", "fp8_compiled_tflops",
                                     "vs_bf16", "vs_upcast"])  # fmt: skip
+        print_table("fp8 weight transpose for the input gradient (us and TB/s moved, from GPU time)", result["fp8"],
+                    ["shape", "transpose_torch_us", "transpose_triton_us", "transpose_torch_tbps",
+                     "transpose_triton_tbps", "transpose_exact"])  # fmt: skip
     if ns.blocks:
         try:
             result["blocks"] = bench_blocks(dev, dtype, s, ns.warmup, ns.reps)

@@ -57,3 +57,4 @@ def test_tiny_cpu_fp8_section(bench, tmp_path):
     for label in ("bf16", "upcast", "fp8"):
         assert row[f"{label}_ms"] > 0 and row[f"{label}_tflops"] > 0
     assert row["vs_bf16"] > 0 and row["vs_upcast"] > 0
+    assert row["transpose_exact"] is True and row["transpose_triton_us"] > 0 and row["transpose_torch_tbps"] > 0

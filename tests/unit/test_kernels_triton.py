@@ -230,7 +230,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flux_kernels import tl_modulate as tm
 from flux_kernels import tl_qk_norm_rope as tq
+from flux_kernels import tl_transpose as tt
 
+U8 = {"src_ptr", "dst_ptr"}
 F32 = {"pe_ptr", "mean_ptr", "rstd_ptr", "dqw_ptr", "dkw_ptr", "dsc_part_ptr", "dsh_part_ptr", "dg_part_ptr"}
 ODD = {"L", "H", "l_off", "rows_per_prog", "n_progs", "eps"}  # not multiples of 16 in general
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -241,7 +243,7 @@ def sig(fn, consts):
         if n in consts:
             return "constexpr"
         if n.endswith("_ptr"):
-            return "*fp32" if n in F32 else "*bf16"
+            return "*u8" if n in U8 else "*fp32" if n in F32 else "*bf16"
         return "fp32" if n == "eps" else "i32"
 
     return {n: ty(n) for n in fn.arg_names}
@@ -263,6 +265,7 @@ cases = [  # (kernel, constexprs, num_warps as flux_kernels._launch launches the
     (tm.gated_bwd, {**row, "COMPUTE_DGATE": True}, 16),
     (tm.gated_modulate_fwd, row, 8),
     (tm.gated_modulate_bwd, {**row, "HAS_DRES": True, "COMPUTE_DG": True, "COMPUTE_DSS": True}, 16),
+    (tt.transpose_2d, dict(BLOCK_R=64, BLOCK_C=64), 4),  # fp8.TRANSPOSE_TILE, triton's default warps
 ]
 for cap in map(int, sys.argv[1:]):
     for fn, consts, warps in cases:
@@ -278,6 +281,17 @@ for cap in map(int, sys.argv[1:]):
             assert " 0 bytes spill stores" in info, (fn.__name__, info)
             print(fn.__name__, [line.split(": ")[-1] for line in info.splitlines() if "registers" in line])
 """
+
+
+@pytest.mark.parametrize("rows, cols", [(37, 96), (130, 70), (3, 1000), (64, 64)])
+def test_fp8_transpose_is_the_exact_transpose(dev, rows, cols):
+    from flux_kernels import fp8
+
+    gen = torch.Generator().manual_seed(rows)
+    w8 = (torch.randn(rows, cols, generator=gen) * 40).to(fp8.E4M3).to(dev)
+    got = fp8.transpose(w8)
+    assert got.dtype == fp8.E4M3 and got.shape == (cols, rows) and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), w8.t().contiguous().view(torch.uint8))
 
 
 def test_kernels_compile_to_cubin_for_hopper_and_blackwell_without_a_gpu(tmp_path):
