@@ -12,8 +12,9 @@ perturbation with it). On FLUX that is 304 weight-sized products, additions, sca
     G = scale * A @ B,  A = [up, d_up] [out, 2r],  B = [d_down; down] [2r, in]
     |G_i|^2 = scale^2 * A_i (B B^T) A_i^T
 
-so one [2r, 2r] Gram matrix per module replaces the [out, in] product (fp32 throughout; sd-scripts' version runs
-under autocast in fp16 on a GPU, so the logged value moves in its 3rd-4th digit).
+so one [2r, 2r] Gram matrix per module replaces the [out, in] product. Both this and the reference work in float64
+(a few MFLOP per module here), so TF32, which the launcher allows on Ampere and newer, cannot round them; sd-scripts'
+version runs under autocast in fp16 on a GPU, so the logged value moves in its 3rd-4th digit.
 
 Nothing here imports sd-scripts: LoRA modules are recognised by what they have (`lora_up`, `lora_down`, `scale`,
 `update_grad_norms`) on the Linear layers whose `forward` they replaced.
@@ -30,17 +31,17 @@ ATTR = "_flux_lora_norms"
 
 
 def reference_row_norms(up: Tensor, down: Tensor, d_up: Tensor, d_down: Tensor, scale: float) -> Tensor:
-    """The plain computation (fp32): row norms of scale * (up @ d_down + d_up @ down), shape [out, 1]."""
-    up, down, d_up, d_down = (t.float() for t in (up, down, d_up, d_down))
-    return torch.norm(scale * (up @ d_down + d_up @ down), dim=1, keepdim=True)
+    """The plain computation, in float64: row norms of scale * (up @ d_down + d_up @ down), [out, 1] float32."""
+    up, down, d_up, d_down = (t.double() for t in (up, down, d_up, d_down))
+    return torch.norm(scale * (up @ d_down + d_up @ down), dim=1, keepdim=True).float()
 
 
 def row_norms(up: Tensor, down: Tensor, d_up: Tensor, d_down: Tensor, scale: float) -> Tensor:
     """The same norms through the [2r, 2r] Gram matrix of [d_down; down]: O(out r^2 + in r^2), not O(out in r)."""
-    a = torch.cat([up, d_up], dim=1).float()  # [out, 2r]
-    b = torch.cat([d_down, down], dim=0).float()  # [2r, in]
+    a = torch.cat([up, d_up], dim=1).double()  # [out, 2r]
+    b = torch.cat([d_down, down], dim=0).double()  # [2r, in]
     squared = ((a @ (b @ b.t())) * a).sum(dim=1, keepdim=True)
-    return squared.clamp_min(0).sqrt() * abs(float(scale))
+    return (squared.clamp_min(0).sqrt() * abs(float(scale))).float()
 
 
 def _is_lora(m: object) -> bool:

@@ -215,6 +215,50 @@ def bench_fp8(dev, warmup, reps, tiny: bool, compiled: bool = True) -> list[dict
     return rows
 
 
+LORA_SHAPES = {  # (out, in): how many LoRA modules of FLUX.1 have this weight shape (lora_flux, all blocks: 304)
+    (9216, 3072): 2 * 19 + 38,  # img/txt qkv; single-block modulation
+    (3072, 3072): 2 * 19,  # img/txt attention proj
+    (12288, 3072): 2 * 19,  # img/txt mlp.0
+    (3072, 12288): 2 * 19,  # img/txt mlp.2
+    (18432, 3072): 2 * 19,  # img/txt modulation
+    (21504, 3072): 38,  # single linear1
+    (3072, 15360): 38,  # single linear2
+}
+
+
+def bench_lora_norms(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict]:
+    """The LoRA gradient row norms sd-scripts computes after every backward: its weight-sized product under
+    autocast (what LoRAModule.update_grad_norms does) against flux_kernels' Gram-matrix version, per weight shape
+    and summed over FLUX's 304 modules (one step); errors against the float64 product."""
+    from flux_kernels import lora_norms
+
+    def sd_scripts_way(up, down, d_up, d_down, scale):
+        with torch.autocast(dev.type):
+            return torch.norm(scale * ((up @ d_down) + (d_up @ down)), dim=1, keepdim=True)
+
+    rows, shapes = [], ({(40, 72): 3} if tiny else LORA_SHAPES)
+    for (out, inp), count in shapes.items():
+        gen = torch.Generator().manual_seed(out + inp)
+        up, d_up = (torch.randn(out, rank, generator=gen).to(dev) * s for s in (0.01, 1e-4))
+        down, d_down = (torch.randn(rank, inp, generator=gen).to(dev) * s for s in (0.05, 1e-4))
+        want = lora_norms.reference_row_norms(up, down, d_up, d_down, 1.0)
+        row = {"name": f"{out}x{inp}", "modules": count}
+        for label, fn in (("sd_scripts", sd_scripts_way), ("gram", lora_norms.row_norms)):
+            got = fn(up, down, d_up, d_down, 1.0).float()
+            row[f"{label}_max_rel_err"] = ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+            ms = gpu_ms(lambda fn=fn: fn(up, down, d_up, d_down, 1.0), dev, reps) or median_ms(
+                lambda fn=fn: fn(up, down, d_up, d_down, 1.0), dev, warmup, reps
+            )
+            row[f"{label}_us"], row[f"{label}_step_ms"] = ms * 1e3, ms * count
+        rows.append(row)
+    total = {"name": "all (one step)", "modules": sum(r["modules"] for r in rows)}
+    for label in ("sd_scripts", "gram"):
+        total[f"{label}_step_ms"] = sum(r[f"{label}_step_ms"] for r in rows)
+        total[f"{label}_max_rel_err"] = max(r[f"{label}_max_rel_err"] for r in rows)
+    total["speedup"] = total["sd_scripts_step_ms"] / total["gram_step_ms"]
+    return [*rows, total]
+
+
 BLOCK_CONFIGS = ("sd_scripts", "kernels", "compiled", "compiled_kernels")
 
 
@@ -295,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-attention", action="store_true", help="skip the attention backend table")
     ap.add_argument("--blocks", action="store_true", help="also time whole sd-scripts blocks (needs a checkout)")
     ap.add_argument("--fp8", action="store_true", help="also time fp8 frozen matmuls at the FLUX linear shapes")
+    ap.add_argument("--lora-norms", action="store_true", help="also time the per-step LoRA gradient row norms")
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke test of this script)")
     ns = ap.parse_args(argv)
 
@@ -338,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
         print_table("fp8 weight transpose for the input gradient (us and TB/s moved, from GPU time)", result["fp8"],
                     ["shape", "transpose_torch_us", "transpose_triton_us", "transpose_torch_tbps",
                      "transpose_triton_tbps", "transpose_exact"])  # fmt: skip
+    if ns.lora_norms:
+        result["lora_norms"] = bench_lora_norms(dev, ns.warmup, ns.reps, ns.tiny)
+        print_table("LoRA gradient row norms, r16 (GPU time; step_ms: x modules of that shape; error vs float64)",
+                    result["lora_norms"], ["modules", "sd_scripts_us", "gram_us", "sd_scripts_step_ms",
+                                           "gram_step_ms", "sd_scripts_max_rel_err", "gram_max_rel_err", "speedup"])  # fmt: skip
     if ns.blocks:
         try:
             result["blocks"] = bench_blocks(dev, dtype, s, ns.warmup, ns.reps)

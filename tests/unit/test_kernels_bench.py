@@ -58,3 +58,15 @@ def test_tiny_cpu_fp8_section(bench, tmp_path):
         assert row[f"{label}_ms"] > 0 and row[f"{label}_tflops"] > 0
     assert row["vs_bf16"] > 0 and row["vs_upcast"] > 0
     assert row["transpose_exact"] is True and row["transpose_triton_us"] > 0 and row["transpose_torch_tbps"] > 0
+
+
+def test_tiny_cpu_lora_norms_section(bench, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the benchmark would run for real")
+    out = tmp_path / "b.json"
+    argv = ["--device", "cpu", "--tiny", "--reps", "1", "--warmup", "0", "--no-compiled", "--no-attention",
+            "--kernels", "", "--lora-norms", "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    row, total = json.loads(out.read_text())["lora_norms"]
+    assert row["name"] == "40x72" and total["modules"] == 3 and total["speedup"] > 0
+    assert row["gram_max_rel_err"] < 1e-5 and row["sd_scripts_max_rel_err"] < 5e-2  # CPU autocast: bf16
