@@ -108,3 +108,19 @@ def test_conv_lora_is_left_alone():
     model = nn.Sequential(nn.Conv2d(3, 3, 1))
     lora = ConvLora(model[0])
     assert lora_norms.install(model) == (0, 1) and "update_grad_norms" not in lora.__dict__
+
+
+def test_float64_holds_where_the_two_products_nearly_cancel():
+    """up @ d_down + d_up @ down ~ 1e-3 of either product: float32 (or TF32, which the launcher allows on GPUs and
+    which failed the probe on an H200 at 1e-4) loses digits here; the float64 math of both versions does not."""
+    gen = torch.Generator().manual_seed(3)
+    up, down, noise = (
+        torch.randn(64, 8, generator=gen),
+        torch.randn(8, 96, generator=gen),
+        torch.randn(8, 96, generator=gen),
+    )
+    d_up, d_down = -up, down + 1e-3 * noise  # up @ d_down + d_up @ down = 1e-3 * up @ noise
+    up64, down64, d_up64, d_down64 = (t.double() for t in (up, down, d_up, d_down))
+    exact = torch.norm(up64 @ d_down64 + d_up64 @ down64, dim=1, keepdim=True).float()
+    for fn in (lora_norms.row_norms, lora_norms.reference_row_norms):
+        torch.testing.assert_close(fn(up, down, d_up, d_down, 1.0), exact, rtol=1e-6, atol=0)
