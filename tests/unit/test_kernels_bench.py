@@ -45,14 +45,19 @@ def test_tiny_cpu_run_writes_the_table_and_json(bench, tmp_path, monkeypatch, ca
     assert "speedup" in capsys.readouterr().out
 
 
-def test_tiny_cpu_fp8_section(bench, tmp_path):
+def tiny_cpu_section(bench, tmp_path, flag: str) -> list[dict]:
+    """The rows one optional section (--fp8, --lora-norms) writes, run alone at tiny shapes on the CPU."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the benchmark would run for real")
     out = tmp_path / "b.json"
     argv = ["--device", "cpu", "--tiny", "--reps", "1", "--warmup", "0", "--no-compiled", "--no-attention",
-            "--kernels", "", "--fp8", "--out", str(out)]  # fmt: skip
+            "--kernels", "", flag, "--out", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
-    (row,) = json.loads(out.read_text())["fp8"]
+    return json.loads(out.read_text())[flag.removeprefix("--").replace("-", "_")]
+
+
+def test_tiny_cpu_fp8_section(bench, tmp_path):
+    (row,) = tiny_cpu_section(bench, tmp_path, "--fp8")
     assert row["shape"] == "64x256x512" and not [k for k in row if k.endswith("_error")], row
     for label in ("bf16", "upcast", "fp8"):
         assert row[f"{label}_ms"] > 0 and row[f"{label}_tflops"] > 0
@@ -61,12 +66,6 @@ def test_tiny_cpu_fp8_section(bench, tmp_path):
 
 
 def test_tiny_cpu_lora_norms_section(bench, tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is visible: the benchmark would run for real")
-    out = tmp_path / "b.json"
-    argv = ["--device", "cpu", "--tiny", "--reps", "1", "--warmup", "0", "--no-compiled", "--no-attention",
-            "--kernels", "", "--lora-norms", "--out", str(out)]  # fmt: skip
-    assert bench.main(argv) == 0
-    row, total = json.loads(out.read_text())["lora_norms"]
+    row, total = tiny_cpu_section(bench, tmp_path, "--lora-norms")
     assert row["name"] == "40x72" and total["modules"] == 3 and total["speedup"] > 0
     assert row["gram_max_rel_err"] < 1e-5 and row["sd_scripts_max_rel_err"] < 5e-2  # CPU autocast: bf16
