@@ -109,9 +109,13 @@ class RunHooks:
         return tags
 
     def train_finished(self) -> None:
-        """sd-scripts' train() returned or raised: close a profile window the run ended inside."""
-        if self.profiler is not None and self.profiler.close():
-            self.profile_written(self._accelerator)
+        """sd-scripts' train() returned or raised: close a profile window the run ended inside. Runs in a `finally`,
+        so a failure here is logged, never raised over the exception that ended training."""
+        try:
+            if self.profiler is not None and self.profiler.close():
+                self.profile_written(self._accelerator)
+        except Exception as e:  # noqa: BLE001 - see above
+            log.warning("profile not written: %s: %s", type(e).__name__, e)
 
     def profile_written(self, accelerator: Any) -> None:
         if not getattr(accelerator, "is_main_process", True):

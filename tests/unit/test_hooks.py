@@ -81,3 +81,18 @@ def test_max_vram_over_ranks_every_n_micro_steps(tmp_path, monkeypatch):
     assert h.step_end(TwoRanks(), {"loss/current": 1.0}, 2)["vram/peak_gib_max_over_ranks"] == 15.0
     h.step_start(TwoRanks())
     assert "vram/peak_gib_max_over_ranks" not in h.step_end(TwoRanks(), {"loss/current": 1.0}, 3)
+
+
+def test_a_failing_profile_close_does_not_mask_the_run_outcome(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from flux_trainer.sdscripts.hooks import RunHooks
+
+    class Broken:
+        def close(self):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    hooks = RunHooks(SimpleNamespace(kernels={}, metrics={}), tmp_path)
+    hooks.profiler = Broken()
+    hooks.train_finished()  # logs, does not raise
+    assert "profile not written: RuntimeError" in caplog.text
