@@ -108,6 +108,10 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     assert "host/ram_gib" in scalars and scalars["host/ram_gib"][-1][1] > 0.1
     assert any("config" in t for t in texts) and "tiny" in texts["run/config"]
     assert "accelerate.commands.launch" in texts["run/command"] and texts["run/kernels"]
+    # kernels=auto on a CPU installs the one plain-PyTorch kernel; sd-scripts' grad-norm tag comes from it
+    assert texts["run/kernels"] == "lora_grad_norms"
+    assert all(v > 0 for _, v in scalars["norm/avg_grad_norm"])
+    assert "lora_grad_norms: 13 LoRA modules" in " ".join((run_dir / "train.log").read_text().split())
 
 
 def test_profile_written_when_the_run_ends_inside_its_window(trained):
