@@ -20,6 +20,7 @@ Without CUDA it says so and exits 0 (`--device cpu --tiny` runs the same code on
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import asdict
@@ -194,12 +195,12 @@ def bench_fp8(dev, warmup, reps, tiny: bool, compiled: bool = True) -> list[dict
         flop = 4 * m * k * n
         row = {"name": name, "shape": f"{m}x{k}x{n}"}
         variants = {
-            "bf16": lambda x: torch.nn.functional.linear(x, wb),
-            "upcast": lambda x: fp8.reference_linear(x, w8, scale),
-            "fp8": lambda x: fp8.fp8_linear(x, w8, scale),
+            "bf16": functools.partial(torch.nn.functional.linear, weight=wb),
+            "upcast": functools.partial(fp8.reference_linear, w8=w8, w_scale=scale),
+            "fp8": functools.partial(fp8.fp8_linear, w8=w8, w_scale=scale),
         }
         if compiled:
-            variants["fp8_compiled"] = torch.compile(lambda x: fp8.fp8_linear(x, w8, scale))
+            variants["fp8_compiled"] = torch.compile(variants["fp8"])
         time_variants(row, variants, (x,), dev, warmup, reps, "tflops", lambda ms, flop=flop: flop / ms / 1e9)
         # the input gradient's transposed fp8 weight: PyTorch's strided copy vs flux_kernels' tiled Triton copy
         row["transpose_exact"] = torch.equal(fp8.transpose(w8).view(torch.uint8), w8.t().contiguous().view(torch.uint8))
@@ -246,9 +247,8 @@ def bench_lora_norms(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict
         for label, fn in (("sd_scripts", sd_scripts_way), ("gram", lora_norms.row_norms)):
             got = fn(up, down, d_up, d_down, 1.0).float()
             row[f"{label}_max_rel_err"] = ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
-            ms = gpu_ms(lambda fn=fn: fn(up, down, d_up, d_down, 1.0), dev, reps) or median_ms(
-                lambda fn=fn: fn(up, down, d_up, d_down, 1.0), dev, warmup, reps
-            )
+            call = functools.partial(fn, up, down, d_up, d_down, 1.0)
+            ms = gpu_ms(call, dev, reps) or median_ms(call, dev, warmup, reps)
             row[f"{label}_us"], row[f"{label}_step_ms"] = ms * 1e3, ms * count
         rows.append(row)
     total = {"name": "all (one step)", "modules": sum(r["modules"] for r in rows)}
@@ -385,9 +385,10 @@ def main(argv: list[str] | None = None) -> int:
                      "transpose_triton_tbps", "transpose_exact"])  # fmt: skip
     if ns.lora_norms:
         result["lora_norms"] = bench_lora_norms(dev, ns.warmup, ns.reps, ns.tiny)
+        cols = ["modules", "sd_scripts_us", "gram_us", "sd_scripts_step_ms", "gram_step_ms", "sd_scripts_max_rel_err",
+                "gram_max_rel_err", "speedup"]  # fmt: skip
         print_table("LoRA gradient row norms, r16 (GPU time; step_ms: x modules of that shape; error vs float64)",
-                    result["lora_norms"], ["modules", "sd_scripts_us", "gram_us", "sd_scripts_step_ms",
-                                           "gram_step_ms", "sd_scripts_max_rel_err", "gram_max_rel_err", "speedup"])  # fmt: skip
+                    result["lora_norms"], cols)  # fmt: skip
     if ns.blocks:
         try:
             result["blocks"] = bench_blocks(dev, dtype, s, ns.warmup, ns.reps)

@@ -29,7 +29,8 @@ def main() -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = torch.nn.Module()
-    model.double_blocks = torch.nn.ModuleList([fm.DoubleStreamBlock(3072, 24, 4.0, qkv_bias=True) for _ in range(ns.blocks)])
+    blocks = [fm.DoubleStreamBlock(3072, 24, 4.0, qkv_bias=True) for _ in range(ns.blocks)]
+    model.double_blocks = torch.nn.ModuleList(blocks)
     model.single_blocks = torch.nn.ModuleList()
     for p in model.parameters():
         p.data = 0.02 * torch.randn_like(p)
@@ -75,13 +76,14 @@ def main() -> int:
             peak = torch.cuda.max_memory_allocated() - base
             seen = {}
 
-            def pack(t):
+            def pack(t, seen=seen):
                 st = t.untyped_storage()
                 if st.data_ptr() not in params:
                     seen[st.data_ptr()] = (st.nbytes(), f"{tuple(t.shape)} {str(t.dtype)[6:]}")
                 return t
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cuda", dtype=torch.bfloat16):
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            with hooks, torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model.double_blocks[0](img, txt, vec, pe)
             del out
             kinds = Counter(v[1] for v in seen.values())
