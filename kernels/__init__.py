@@ -9,9 +9,11 @@ Stands alone: never imports flux_trainer or sd-scripts. Triton is imported only 
 
 Kernels: attention (backend chosen per shape by measurement), qk_norm_rope, modulate, gated_residual,
 gated_modulate (Triton, forward and backward), fp8_matmul (frozen Linears in fp8 via torch._scaled_mm),
-compile_blocks (regional torch.compile). `auto` = attention + fp8_matmul (only on an fp8 base) + compile_blocks;
-the Triton ones are opt-in (registry `in_auto`). Modules: `reference` (sd-scripts' math), `fast` (Triton behind
-autograd.Function), `fp8` (fp8 matmuls as custom ops), `attention` (backend probe and choice), `registry`
+lora_grad_norms (sd-scripts' per-step LoRA gradient norms from rank-sized factors), compile_blocks (regional
+torch.compile). `auto` = attention + fp8_matmul (only on an fp8 base) + lora_grad_norms (where a LoRA is applied) +
+compile_blocks; the Triton ones are opt-in (registry `in_auto`). Modules: `reference` (sd-scripts' math), `fast`
+(Triton behind autograd.Function), `fp8` (fp8 matmuls as custom ops; `tl_transpose` its weight transpose),
+`lora_norms`, `attention` (backend probe and choice), `registry`
 (KernelSpec, probe, select), `patch` (installing into a built model), `device` (what device is this).
 """
 
