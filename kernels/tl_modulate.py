@@ -22,6 +22,24 @@ from flux_kernels.tl_common import cast, total
 
 
 @triton.jit
+def modulated_norm(v, m, C, eps, shift_ptrs, scale_ptrs):
+    """(1 + scale) * LayerNorm(v) + shift of one fp32 row (lanes outside m hold 0): (out, mean, rstd). The modulation
+    vectors are loaded after the two reductions, so they are not held in registers across them."""
+    mean = total(v, 0) / C
+    vc = tl.where(m, v - mean, 0.0)
+    rstd = tl.rsqrt(total(vc * vc, 0) / C + eps)
+    sh = tl.load(shift_ptrs, mask=m, other=0.0).to(tl.float32)
+    sc = tl.load(scale_ptrs, mask=m, other=0.0).to(tl.float32)
+    return (1.0 + sc) * (vc * rstd) + sh, mean, rstd
+
+
+@triton.jit
+def norm_grad(g, xn, rstd, C):
+    """Input gradient of LayerNorm (no affine) for the gradient g of its output and the normalised row xn."""
+    return rstd * (g - total(g, 0) / C - xn * (total(g * xn, 0) / C))
+
+
+@triton.jit
 def modulate_fwd(
     x_ptr, shift_ptr, scale_ptr, out_ptr, mean_ptr, rstd_ptr,
     L, C, sx_b, sx_l, ssh_b, ssc_b, so_b, so_l, eps,
@@ -32,12 +50,7 @@ def modulate_fwd(
     offs = tl.arange(0, BLOCK_C)
     m = offs < C
     x = tl.load(x_ptr + b * sx_b + tok * sx_l + offs, mask=m, other=0.0).to(tl.float32)
-    mean = total(x, 0) / C
-    xc = tl.where(m, x - mean, 0.0)
-    rstd = tl.rsqrt(total(xc * xc, 0) / C + eps)
-    sh = tl.load(shift_ptr + b * ssh_b + offs, mask=m, other=0.0).to(tl.float32)
-    sc = tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
-    y = (1.0 + sc) * (xc * rstd) + sh
+    y, mean, rstd = modulated_norm(x, m, C, eps, shift_ptr + b * ssh_b + offs, scale_ptr + b * ssc_b + offs)
     tl.store(out_ptr + b * so_b + tok * so_l + offs, cast(y, out_ptr.dtype.element_ty, RTNE), mask=m)
     tl.store(mean_ptr + b * L + tok, mean)
     tl.store(rstd_ptr + b * L + tok, rstd)
@@ -66,10 +79,7 @@ def modulate_bwd(
         mean = tl.load(mean_ptr + b * L + tok, mask=valid, other=0.0)
         rstd = tl.load(rstd_ptr + b * L + tok, mask=valid, other=0.0)
         xn = tl.where(mv, (x - mean) * rstd, 0.0)
-        g = dy * sc1
-        mg = total(g, 0) / C
-        mgx = total(g * xn, 0) / C
-        dx = rstd * (g - mg - xn * mgx)
+        dx = norm_grad(dy * sc1, xn, rstd, C)
         tl.store(dx_ptr + b * sdx_b + tok * sdx_l + offs, cast(dx, dx_ptr.dtype.element_ty, RTNE), mask=mv)
         if COMPUTE_DSS:
             acc_sc += dy * xn
@@ -138,12 +148,7 @@ def gated_modulate_fwd(
     res = cast(x + g * y, res_ptr.dtype.element_ty, RTNE)
     tl.store(res_ptr + b * sr_b + tok * sr_l + offs, res, mask=m)
     r = res.to(tl.float32)  # LayerNorm sees the stored (rounded) residual, as in the unfused block
-    mean = total(r, 0) / C
-    rc = tl.where(m, r - mean, 0.0)
-    rstd = tl.rsqrt(total(rc * rc, 0) / C + eps)
-    sh = tl.load(shift_ptr + b * ssh_b + offs, mask=m, other=0.0).to(tl.float32)
-    sc = tl.load(scale_ptr + b * ssc_b + offs, mask=m, other=0.0).to(tl.float32)
-    out = (1.0 + sc) * (rc * rstd) + sh
+    out, mean, rstd = modulated_norm(r, m, C, eps, shift_ptr + b * ssh_b + offs, scale_ptr + b * ssc_b + offs)
     tl.store(out_ptr + b * so_b + tok * so_l + offs, cast(out, out_ptr.dtype.element_ty, RTNE), mask=m)
     tl.store(mean_ptr + b * L + tok, mean)
     tl.store(rstd_ptr + b * L + tok, rstd)
@@ -181,8 +186,7 @@ def gated_modulate_bwd(
         rstd = tl.load(rstd_ptr + b * L + tok, mask=valid, other=0.0)
         r = cast(x + g * y, dx_ptr.dtype.element_ty, RTNE).to(tl.float32)
         xn = tl.where(mv, (r - mean) * rstd, 0.0)
-        gg = do * sc1
-        d = rstd * (gg - total(gg, 0) / C - xn * (total(gg * xn, 0) / C))
+        d = norm_grad(do * sc1, xn, rstd, C)
         if HAS_DRES:
             d += tl.load(dres_ptr + b * sdr_b + tok * sdr_l + offs, mask=mv, other=0.0).to(tl.float32)
         tl.store(dx_ptr + b * sdx_b + tok * sdx_l + offs, cast(d, dx_ptr.dtype.element_ty, RTNE), mask=mv)
