@@ -34,6 +34,15 @@ def modulated_norm(v, m, C, eps, shift_ptrs, scale_ptrs):
 
 
 @triton.jit
+def gated_sum(x_ptrs, gate_ptrs, y_ptrs, m):
+    """x + gate * y of one row, in fp32 (the gated residual, before its one rounding)."""
+    x = tl.load(x_ptrs, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptrs, mask=m, other=0.0).to(tl.float32)
+    y = tl.load(y_ptrs, mask=m, other=0.0).to(tl.float32)
+    return x + g * y
+
+
+@triton.jit
 def norm_grad(g, xn, rstd, C):
     """Input gradient of LayerNorm (no affine) for the gradient g of its output and the normalised row xn."""
     return rstd * (g - total(g, 0) / C - xn * (total(g * xn, 0) / C))
@@ -100,10 +109,9 @@ def gated_fwd(
     b = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     m = offs < C
-    x = tl.load(x_ptr + b * sx_b + tok * sx_l + offs, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + b * sy_b + tok * sy_l + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + b * so_b + tok * so_l + offs, cast(x + g * y, out_ptr.dtype.element_ty, RTNE), mask=m)
+    row_x, row_y = x_ptr + b * sx_b + tok * sx_l + offs, y_ptr + b * sy_b + tok * sy_l + offs
+    s = gated_sum(row_x, gate_ptr + b * sg_b + offs, row_y, m)
+    tl.store(out_ptr + b * so_b + tok * so_l + offs, cast(s, out_ptr.dtype.element_ty, RTNE), mask=m)
 
 
 @triton.jit
@@ -142,10 +150,9 @@ def gated_modulate_fwd(
     b = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     m = offs < C
-    x = tl.load(x_ptr + b * sx_b + tok * sx_l + offs, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + b * sg_b + offs, mask=m, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + b * sy_b + tok * sy_l + offs, mask=m, other=0.0).to(tl.float32)
-    res = cast(x + g * y, res_ptr.dtype.element_ty, RTNE)
+    row_x, row_y = x_ptr + b * sx_b + tok * sx_l + offs, y_ptr + b * sy_b + tok * sy_l + offs
+    s = gated_sum(row_x, gate_ptr + b * sg_b + offs, row_y, m)
+    res = cast(s, res_ptr.dtype.element_ty, RTNE)
     tl.store(res_ptr + b * sr_b + tok * sr_l + offs, res, mask=m)
     r = res.to(tl.float32)  # LayerNorm sees the stored (rounded) residual, as in the unfused block
     out, mean, rstd = modulated_norm(r, m, C, eps, shift_ptr + b * ssh_b + offs, scale_ptr + b * ssc_b + offs)
