@@ -22,7 +22,8 @@ Nothing here imports sd-scripts: LoRA modules are recognised by what they have (
 
 from __future__ import annotations
 
-from types import MethodType
+import functools
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -38,25 +39,73 @@ def reference_row_norms(up: Tensor, down: Tensor, d_up: Tensor, d_down: Tensor, 
 
 def row_norms(up: Tensor, down: Tensor, d_up: Tensor, d_down: Tensor, scale: float) -> Tensor:
     """The same norms through the [2r, 2r] Gram matrix of [d_down; down]: O(out r^2 + in r^2), not O(out in r)."""
-    a = torch.cat([up, d_up], dim=1).double()  # [out, 2r]
-    b = torch.cat([d_down, down], dim=0).double()  # [2r, in]
-    squared = ((a @ (b @ b.t())) * a).sum(dim=1, keepdim=True)
-    return (squared.clamp_min(0).sqrt() * abs(float(scale))).float()
+    return batched_row_norms([up], [down], [d_up], [d_down], scale)[0]
+
+
+@torch.no_grad()
+def batched_row_norms(ups, downs, d_ups, d_downs, scale: float) -> Tensor:
+    """`row_norms` of k modules of one shape and scale in a few batched ops: [k, out, 1] float32. One call per
+    weight shape instead of a dozen small kernels per module: FLUX's 304 modules have 7 shapes, and launching
+    ~13 kernels for each of them kept the GPU waiting on the CPU for ~35 ms a step (measured on an H200)."""
+    a = torch.cat([torch.stack(ups), torch.stack(d_ups)], dim=2).double()  # [k, out, 2r]
+    b = torch.cat([torch.stack(d_downs), torch.stack(downs)], dim=1).double()  # [k, 2r, in]
+    squared = (torch.bmm(a, torch.bmm(b, b.transpose(1, 2))) * a).sum(dim=2, keepdim=True)
+    return (squared.clamp_min_(0).sqrt_() * abs(float(scale))).float()
 
 
 def _is_lora(m: object) -> bool:
     return all(hasattr(m, a) for a in ("lora_up", "lora_down", "scale", "update_grad_norms"))
 
 
-def _fast_update_grad_norms(self) -> None:
-    """sd-scripts' LoRAModule.update_grad_norms, same semantics (skip when not training, need both gradients, set
-    `self.grad_norms` [out, 1]), computed by `row_norms`."""
-    if not self.training:
-        return
-    up, down = self.lora_up.weight, self.lora_down.weight
-    if up.grad is None or down.grad is None:
-        return
-    self.grad_norms = row_norms(up, down, up.grad, down.grad, self.scale).to(up.dtype)
+class _Shared:
+    """The patched LoRA modules of one model. sd-scripts calls `update_grad_norms` on each module in turn after
+    the backward; the first call whose gradients are new computes every module's norms, grouped by shape, and
+    each call takes its own row. "New" is judged by the gradient tensors' identity and version counters, so
+    gradients replaced (zero_grad(set_to_none)) or changed in place (accumulation, zero_) are never served stale."""
+
+    def __init__(self, loras: list[nn.Module]):
+        self.loras = loras
+        self.norms: dict[int, Tensor] = {}
+        self.stamps: dict[int, tuple] = {}
+
+    @staticmethod
+    def _grads(m) -> tuple[Tensor, Tensor] | None:
+        up, down = m.lora_up.weight.grad, m.lora_down.weight.grad
+        return None if up is None or down is None else (up, down)
+
+    def _fresh(self, m, grads: tuple[Tensor, Tensor]) -> bool:
+        stamp = self.stamps.get(id(m))
+        if stamp is None:
+            return False
+        return all(ref() is g and version == g._version for (ref, version), g in zip(stamp, grads, strict=True))
+
+    @torch.no_grad()
+    def _compute_all(self) -> None:
+        groups: dict[tuple, list] = {}
+        self.norms, self.stamps = {}, {}
+        for m in self.loras:
+            grads = self._grads(m)
+            if not m.training or grads is None:
+                continue
+            up, down = m.lora_up.weight, m.lora_down.weight
+            key = (tuple(up.shape), tuple(down.shape), up.dtype, grads[0].dtype, up.device, float(m.scale))
+            groups.setdefault(key, []).append((m, up, down, *grads))
+        for key, members in groups.items():
+            _, ups, downs, d_ups, d_downs = zip(*members, strict=True)
+            norms = batched_row_norms(ups, downs, d_ups, d_downs, key[-1]).to(key[2])
+            for i, (m, _up, _down, *grads) in enumerate(members):
+                self.norms[id(m)] = norms[i]
+                self.stamps[id(m)] = tuple((weakref.ref(g), g._version) for g in grads)
+
+    def update(self, m) -> None:
+        """sd-scripts' LoRAModule.update_grad_norms, same semantics: skip when not training or without both
+        gradients, else set `m.grad_norms` [out, 1] (no autograd history, as under sd-scripts' no_grad)."""
+        grads = self._grads(m)
+        if not m.training or grads is None:
+            return
+        if not self._fresh(m, grads):
+            self._compute_all()
+        m.grad_norms = self.norms[id(m)]
 
 
 def lora_modules(model: nn.Module) -> list[nn.Module]:
@@ -70,17 +119,20 @@ def lora_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def install(model: nn.Module) -> tuple[int, int]:
-    """Give each 2-D LoRA module on `model` the fast `update_grad_norms`; returns (patched, skipped)."""
-    done = skipped = 0
+    """Give each 2-D LoRA module on `model` the fast `update_grad_norms`, all sharing one `_Shared` (computed
+    together); returns (patched, skipped)."""
+    loras, skipped = [], 0
     for lora in lora_modules(model):
         if lora.lora_up.weight.dim() != 2 or lora.lora_down.weight.dim() != 2:
             skipped += 1  # conv LoRA: sd-scripts' own product does not apply to it either
             continue
+        loras.append(lora)
+    shared = _Shared(loras)
+    for lora in loras:
         if ATTR not in lora.__dict__:
             lora.__dict__[ATTR] = lora.__dict__.get("update_grad_norms")
-            lora.update_grad_norms = MethodType(_fast_update_grad_norms, lora)
-        done += 1
-    return done, skipped
+        lora.update_grad_norms = functools.partial(shared.update, lora)
+    return len(loras), skipped
 
 
 def uninstall(model: nn.Module) -> int:

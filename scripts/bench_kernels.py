@@ -256,6 +256,30 @@ def bench_lora_norms(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict
         total[f"{label}_step_ms"] = sum(r[f"{label}_step_ms"] for r in rows)
         total[f"{label}_max_rel_err"] = max(r[f"{label}_max_rel_err"] for r in rows)
     total["speedup"] = total["sd_scripts_step_ms"] / total["gram_step_ms"]
+    # A whole step's worth, wall time (CUDA events around the loop): per module, ~10 small kernels each, the CPU
+    # launching them is the cost; batched per shape is what the installed kernel runs.
+    factors = []
+    for (out, inp), count in shapes.items():
+        gen = torch.Generator().manual_seed(out * inp)
+        for _ in range(count):
+            up, d_up = (torch.randn(out, rank, generator=gen).to(dev) * s for s in (0.01, 1e-4))
+            down, d_down = (torch.randn(rank, inp, generator=gen).to(dev) * s for s in (0.05, 1e-4))
+            factors.append((up, down, d_up, d_down))
+    groups: dict[tuple, list] = {}
+    for f in factors:
+        groups.setdefault((f[0].shape, f[1].shape), []).append(f)
+
+    def batched():
+        for members in groups.values():
+            lora_norms.batched_row_norms(*zip(*members, strict=True), 1.0)
+
+    for label, call in (
+        ("sd_scripts", lambda: [sd_scripts_way(*f, 1.0) for f in factors]),
+        ("gram", lambda: [lora_norms.row_norms(*f, 1.0) for f in factors]),
+        ("batched", batched),
+    ):
+        total[f"{label}_wall_ms"] = median_ms(call, dev, warmup, reps)
+    total["batched_gpu_ms"] = gpu_ms(batched, dev, reps)
     return [*rows, total]
 
 
@@ -389,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                 "gram_max_rel_err", "speedup"]  # fmt: skip
         print_table("LoRA gradient row norms, r16 (GPU time; step_ms: x modules of that shape; error vs float64)",
                     result["lora_norms"], cols)  # fmt: skip
+        print_table("LoRA gradient row norms of one step's modules, wall time (CPU launches included)",
+                    result["lora_norms"][-1:], ["modules", "sd_scripts_wall_ms", "gram_wall_ms", "batched_wall_ms",
+                                                "batched_gpu_ms"])  # fmt: skip
     if ns.blocks:
         try:
             result["blocks"] = bench_blocks(dev, dtype, s, ns.warmup, ns.reps)

@@ -69,3 +69,4 @@ def test_tiny_cpu_lora_norms_section(bench, tmp_path):
     row, total = tiny_cpu_section(bench, tmp_path, "--lora-norms")
     assert row["name"] == "40x72" and total["modules"] == 3 and total["speedup"] > 0
     assert row["gram_max_rel_err"] < 1e-5 and row["sd_scripts_max_rel_err"] < 5e-2  # CPU autocast: bf16
+    assert all(total[f"{label}_wall_ms"] > 0 for label in ("sd_scripts", "gram", "batched"))

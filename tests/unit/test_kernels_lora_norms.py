@@ -124,3 +124,99 @@ def test_float64_holds_where_the_two_products_nearly_cancel():
     exact = torch.norm(up64 @ d_down64 + d_up64 @ down64, dim=1, keepdim=True).float()
     for fn in (lora_norms.row_norms, lora_norms.reference_row_norms):
         torch.testing.assert_close(fn(up, down, d_up, d_down, 1.0), exact, rtol=1e-6, atol=0)
+
+
+class FakeLora(nn.Module):
+    """What lora_norms recognises of sd-scripts' LoRAModule (no checkout needed): the factors, the scale, the
+    replaced forward and an `update_grad_norms` of its own."""
+
+    def __init__(self, linear: nn.Linear, r: int, scale: float):
+        super().__init__()
+        self.lora_down = nn.Linear(linear.in_features, r, bias=False)
+        self.lora_up = nn.Linear(r, linear.out_features, bias=False)
+        nn.init.normal_(self.lora_up.weight, std=0.1)
+        self.scale, self.org_forward = scale, linear.forward
+        linear.forward = self.forward
+
+    def forward(self, x):
+        return self.org_forward(x) + self.lora_up(self.lora_down(x)) * self.scale
+
+    def update_grad_norms(self):
+        raise AssertionError("the installed version must be called")
+
+
+def _fake_model(seed=0):
+    """Four LoRA layers in three groups: two share a shape and scale, one has that shape with another scale."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(24, 24), nn.Linear(24, 24), nn.Linear(24, 24), nn.Linear(24, 40)).requires_grad_(
+        False
+    )
+    loras = [FakeLora(model[i], 4, s) for i, s in enumerate((0.5, 0.5, 2.0, 0.5))]
+    return model, loras
+
+
+def _backward(model, seed=1):
+    model(torch.randn(5, 24, generator=torch.Generator().manual_seed(seed))).square().mean().backward()
+
+
+def _exact(lo):
+    w = (lo.lora_up.weight, lo.lora_down.weight, lo.lora_up.weight.grad, lo.lora_down.weight.grad)
+    return lora_norms.reference_row_norms(*w, lo.scale)
+
+
+def _count_bmm(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is torch.ops.aten.bmm.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_all_modules_computed_together_per_shape_without_autograd_history():
+    model, loras = _fake_model()
+    assert lora_norms.install(model) == (4, 0)
+    _backward(model)
+    bmm = _count_bmm(lambda: [lo.update_grad_norms() for lo in loras])  # as sd-scripts' network does
+    assert bmm == 2 * 3  # two bmm per (shape, scale) group, not per module
+    for lo in loras:
+        assert lo.grad_norms.grad_fn is None and not lo.grad_norms.requires_grad  # sd-scripts runs it under no_grad
+        torch.testing.assert_close(lo.grad_norms, _exact(lo), rtol=1e-5, atol=0)
+
+
+def test_new_or_changed_gradients_are_never_served_stale():
+    model, loras = _fake_model()
+    lora_norms.install(model)
+    _backward(model)
+    first = [lo.update_grad_norms() or lo.grad_norms.clone() for lo in loras]
+    assert _count_bmm(loras[2].update_grad_norms) == 0  # same gradients: the row computed with the others
+    loras[1].lora_up.weight.grad.mul_(3)  # changed in place (accumulation, clipping)
+    loras[1].lora_down.weight.grad.mul_(3)
+    loras[1].update_grad_norms()
+    torch.testing.assert_close(loras[1].grad_norms, 3 * first[1], rtol=1e-5, atol=0)
+    for lo in loras:
+        lo.lora_up.weight.grad = lo.lora_down.weight.grad = None  # zero_grad(set_to_none=True), next step
+    _backward(model, seed=2)
+    for lo, old in zip(loras, first, strict=True):
+        lo.update_grad_norms()
+        torch.testing.assert_close(lo.grad_norms, _exact(lo), rtol=1e-5, atol=0)
+        assert not torch.allclose(lo.grad_norms, old)
+
+
+def test_modules_not_training_or_without_gradients_are_left_alone():
+    model, loras = _fake_model()
+    lora_norms.install(model)
+    loras[0].eval()
+    _backward(model)
+    loras[3].lora_up.weight.grad = None
+    for lo in loras:
+        lo.update_grad_norms()
+    assert not hasattr(loras[0], "grad_norms") and not hasattr(loras[3], "grad_norms")
+    for lo in loras[1:3]:
+        torch.testing.assert_close(lo.grad_norms, _exact(lo), rtol=1e-5, atol=0)
