@@ -80,6 +80,7 @@ class _Shared:
         return all(ref() is g and version == g._version for (ref, version), g in zip(stamp, grads, strict=True))
 
     @torch.no_grad()
+    @torch.profiler.record_function("flux_kernels::lora_grad_norms")
     def _compute_all(self) -> None:
         groups: dict[tuple, list] = {}
         self.norms, self.stamps = {}, {}

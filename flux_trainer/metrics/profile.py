@@ -49,6 +49,7 @@ class Kernel:
     name: str
     start_us: float
     dur_us: float
+    corr: int = 0  # correlation id of the CPU op that launched it (0: unknown)
 
 
 def kind_of(name: str) -> str:
@@ -152,6 +153,10 @@ def format_summary(summary: dict[str, Any], cpu_ops: list[tuple[str, float]] | N
             f"{size} matmuls: {row['calls_per_step']:.0f}/step, {row['ms_per_step']:.2f} ms/step, "
             f"{row['tflop_per_step']:.2f} TFLOP/step, {row['tflops']:.0f} TFLOP/s"
         )
+    if s.get("idle_by_cpu_op"):
+        lines.append(f"device idle before kernels launched under: {'ms/step':>9} {'gaps/step':>9}  outermost CPU op")
+        for row in s["idle_by_cpu_op"]:
+            lines.append(f"{'':42} {row['ms_per_step']:9.2f} {row['gaps_per_step']:9.0f}  {row['cpu_op'][:100]}")
     lines.append(f"top kernels: {'ms/step':>9} {'calls':>6} {'mean us':>8}  kind         name")
     for row in s["top_kernels"]:
         lines.append(
@@ -171,8 +176,34 @@ def device_kernels(events: Iterable[Any]) -> list[Kernel]:
             continue
         if e.name.startswith("## ") or e.name.startswith("ProfilerStep#"):
             continue
-        out.append(Kernel(e.name, float(e.time_range.start), float(e.time_range.elapsed_us())))
+        corr = int(getattr(e, "linked_correlation_id", 0) or 0)
+        out.append(Kernel(e.name, float(e.time_range.start), float(e.time_range.elapsed_us()), corr))
     return out
+
+
+def idle_by_cpu_op(kernels: list[Kernel], events: Iterable[Any], steps: int, top: int = 10) -> list[dict[str, Any]]:
+    """The device's idle gaps inside the window, each charged to what the CPU was doing when the device got work
+    again: the outermost CPU op (an autograd node, a compiled region, `Optimizer.step#...`, an annotation such as
+    `flux_kernels::lora_grad_norms`) above the op that launched the kernel ending the gap. Much idle time under
+    one name says the GPU waited on the CPU there: launches too small to cover their own overhead, or a sync."""
+    ops = {}
+    for e in events:
+        if str(getattr(e, "device_type", "")).endswith("CPU") and not getattr(e, "linked_correlation_id", 0):
+            ops.setdefault(getattr(e, "id", 0), e)
+    ops.pop(0, None)
+    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    end = None
+    for k in sorted(kernels, key=lambda k: k.start_us):
+        if end is not None and k.start_us > end:
+            op = ops.get(k.corr)
+            while op is not None and getattr(op, "cpu_parent", None) is not None:
+                op = op.cpu_parent
+            row = acc["(launch not recorded)" if op is None else op.name]
+            row[0] += k.start_us - end
+            row[1] += 1
+        end = k.start_us + k.dur_us if end is None else max(end, k.start_us + k.dur_us)
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"cpu_op": name, "ms_per_step": us / 1e3 / steps, "gaps_per_step": n / steps} for name, (us, n) in rows]
 
 
 def cpu_top_ops(prof: Any, steps: int, top: int = 12) -> list[tuple[str, float]]:
@@ -243,9 +274,11 @@ class StepProfiler:
         prof.__exit__(None, None, None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         events = prof.events()
-        self.summary = summarize(device_kernels(events), wall, self.steps)
+        kernels = device_kernels(events)
+        self.summary = summarize(kernels, wall, self.steps)
         if self.summary["kernels_per_step"]:
             self.summary["matmuls"] = matmul_rates(events, self.steps)
+            self.summary["idle_by_cpu_op"] = idle_by_cpu_op(kernels, events, self.steps)
         self.text = format_summary(self.summary, cpu_top_ops(prof, self.steps))
         trace = self.out_dir / f"trace-rank{self.rank}.json"
         prof.export_chrome_trace(str(trace))

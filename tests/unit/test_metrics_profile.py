@@ -134,3 +134,27 @@ def test_device_kernels_leave_out_annotations_and_cpu_ops():
     events = [ev("nvjet_gemm"), ev("aten::mm", "DeviceType.CPU"), ev("## Call CompiledFxGraph abc ##"),
               ev("region", annotation=True), ev("triton_poi_fused_add_0")]  # fmt: skip
     assert [k.name for k in device_kernels(events)] == ["nvjet_gemm", "triton_poi_fused_add_0"]
+
+
+def test_idle_gaps_are_charged_to_the_outermost_cpu_op_that_launched_the_next_kernel():
+    from types import SimpleNamespace as E
+
+    from flux_trainer.metrics.profile import idle_by_cpu_op
+
+    cpu = "DeviceType.CPU"
+    step = E(name="Optimizer.step#AdamW.step", id=5, device_type=cpu, linked_correlation_id=0, cpu_parent=None)
+    foreach = E(name="aten::_foreach_add_", id=6, device_type=cpu, linked_correlation_id=0, cpu_parent=step)
+    norms = E(name="flux_kernels::lora_grad_norms", id=7, device_type=cpu, linked_correlation_id=0, cpu_parent=None)
+    bmm = E(name="aten::bmm", id=8, device_type=cpu, linked_correlation_id=0, cpu_parent=norms)
+    launch = E(name="cudaLaunchKernel", id=6, device_type=cpu, linked_correlation_id=6, cpu_parent=None)
+    ks = [Kernel("gemm", 0, 100, corr=1), Kernel("bmm", 130, 10, corr=8), Kernel("bmm", 150, 10, corr=8),
+          Kernel("adam", 210, 10, corr=6), Kernel("late", 220, 0, corr=99), Kernel("x", 221, 4, corr=99),
+          Kernel("inside", 90, 5, corr=6)]  # fmt: skip
+    rows = idle_by_cpu_op(ks, [step, foreach, norms, bmm, launch], steps=2)
+    assert rows == [
+        {"cpu_op": "Optimizer.step#AdamW.step", "ms_per_step": pytest.approx(0.025), "gaps_per_step": 0.5},
+        {"cpu_op": "flux_kernels::lora_grad_norms", "ms_per_step": pytest.approx(0.020), "gaps_per_step": 1.0},
+        {"cpu_op": "(launch not recorded)", "ms_per_step": pytest.approx(0.0005), "gaps_per_step": 0.5},
+    ]
+    text = format_summary({**summarize(ks, 0.001, 2), "idle_by_cpu_op": rows})
+    assert "Optimizer.step#AdamW.step" in text and "outermost CPU op" in text
