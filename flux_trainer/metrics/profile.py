@@ -13,6 +13,7 @@ representative (the summary's device times are).
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -49,7 +50,6 @@ class Kernel:
     name: str
     start_us: float
     dur_us: float
-    corr: int = 0  # correlation id of the CPU op that launched it (0: unknown)
 
 
 def kind_of(name: str) -> str:
@@ -154,9 +154,9 @@ def format_summary(summary: dict[str, Any], cpu_ops: list[tuple[str, float]] | N
             f"{row['tflop_per_step']:.2f} TFLOP/step, {row['tflops']:.0f} TFLOP/s"
         )
     if s.get("idle_by_cpu_op"):
-        lines.append(f"device idle before kernels launched under: {'ms/step':>9} {'gaps/step':>9}  outermost CPU op")
+        lines.append(f"device idle while the CPU ran:  {'ms/step':>9} {'gaps/step':>9}  outermost CPU op")
         for row in s["idle_by_cpu_op"]:
-            lines.append(f"{'':42} {row['ms_per_step']:9.2f} {row['gaps_per_step']:9.0f}  {row['cpu_op'][:100]}")
+            lines.append(f"{'':31} {row['ms_per_step']:9.2f} {row['gaps_per_step']:9.0f}  {row['cpu_op'][:100]}")
     lines.append(f"top kernels: {'ms/step':>9} {'calls':>6} {'mean us':>8}  kind         name")
     for row in s["top_kernels"]:
         lines.append(
@@ -176,31 +176,43 @@ def device_kernels(events: Iterable[Any]) -> list[Kernel]:
             continue
         if e.name.startswith("## ") or e.name.startswith("ProfilerStep#"):
             continue
-        corr = int(getattr(e, "linked_correlation_id", 0) or 0)
-        out.append(Kernel(e.name, float(e.time_range.start), float(e.time_range.elapsed_us()), corr))
+        out.append(Kernel(e.name, float(e.time_range.start), float(e.time_range.elapsed_us())))
     return out
 
 
 def idle_by_cpu_op(kernels: list[Kernel], events: Iterable[Any], steps: int, top: int = 10) -> list[dict[str, Any]]:
-    """The device's idle gaps inside the window, each charged to what the CPU was doing when the device got work
-    again: the outermost CPU op (an autograd node, a compiled region, `Optimizer.step#...`, an annotation such as
-    `flux_kernels::lora_grad_norms`) above the op that launched the kernel ending the gap. Much idle time under
-    one name says the GPU waited on the CPU there: launches too small to cover their own overhead, or a sync."""
-    ops = {}
+    """The device's idle gaps inside the window, each charged to what the CPU was doing meanwhile: the outermost
+    recorded CPU op (an autograd node, a compiled region, `Optimizer.step#...`, `aten::item`, `cudaStreamSynchronize`,
+    an annotation such as `flux_kernels::lora_grad_norms`) overlapping the gap most, on any thread; "(no recorded
+    op)" when only Python ran. Much idle time under one name says the GPU waited on the CPU there: launches too
+    small to cover their own overhead, or a sync. By time, not by kernel-launch correlation ids: on torch 2.11
+    (the H200's) those did not link kernels to ops in the events torch.profiler returns."""
+    threads: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
     for e in events:
-        if str(getattr(e, "device_type", "")).endswith("CPU") and not getattr(e, "linked_correlation_id", 0):
-            ops.setdefault(getattr(e, "id", 0), e)
-    ops.pop(0, None)
+        if not str(getattr(e, "device_type", "")).endswith("CPU") or getattr(e, "cpu_parent", None) is not None:
+            continue
+        if getattr(e, "is_async", False):
+            continue
+        r = e.time_range
+        threads[getattr(e, "thread", 0)].append((float(r.start), float(r.end), e.name))
+    for ops in threads.values():
+        ops.sort()
+    starts = {t: [o[0] for o in ops] for t, ops in threads.items()}
     acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     end = None
     for k in sorted(kernels, key=lambda k: k.start_us):
         if end is not None and k.start_us > end:
-            op = ops.get(k.corr)
-            while op is not None and getattr(op, "cpu_parent", None) is not None:
-                op = op.cpu_parent
-            row = acc["(launch not recorded)" if op is None else op.name]
-            row[0] += k.start_us - end
-            row[1] += 1
+            a, b = end, k.start_us
+            best, label = 0.0, "(no recorded op)"
+            for t, ops in threads.items():
+                i = bisect.bisect_left(starts[t], b) - 1
+                while i >= 0 and ops[i][1] > a:  # a thread's outermost ops do not overlap: ends rise with starts
+                    overlap = min(b, ops[i][1]) - max(a, ops[i][0])
+                    if overlap > best:
+                        best, label = overlap, ops[i][2]
+                    i -= 1
+            acc[label][0] += b - a
+            acc[label][1] += 1
         end = k.start_us + k.dur_us if end is None else max(end, k.start_us + k.dur_us)
     rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"cpu_op": name, "ms_per_step": us / 1e3 / steps, "gaps_per_step": n / steps} for name, (us, n) in rows]

@@ -136,25 +136,50 @@ def test_device_kernels_leave_out_annotations_and_cpu_ops():
     assert [k.name for k in device_kernels(events)] == ["nvjet_gemm", "triton_poi_fused_add_0"]
 
 
-def test_idle_gaps_are_charged_to_the_outermost_cpu_op_that_launched_the_next_kernel():
+def test_idle_gaps_are_charged_to_the_outermost_cpu_op_overlapping_them_most():
     from types import SimpleNamespace as E
 
     from flux_trainer.metrics.profile import idle_by_cpu_op
 
-    cpu = "DeviceType.CPU"
-    step = E(name="Optimizer.step#AdamW.step", id=5, device_type=cpu, linked_correlation_id=0, cpu_parent=None)
-    foreach = E(name="aten::_foreach_add_", id=6, device_type=cpu, linked_correlation_id=0, cpu_parent=step)
-    norms = E(name="flux_kernels::lora_grad_norms", id=7, device_type=cpu, linked_correlation_id=0, cpu_parent=None)
-    bmm = E(name="aten::bmm", id=8, device_type=cpu, linked_correlation_id=0, cpu_parent=norms)
-    launch = E(name="cudaLaunchKernel", id=6, device_type=cpu, linked_correlation_id=6, cpu_parent=None)
-    ks = [Kernel("gemm", 0, 100, corr=1), Kernel("bmm", 130, 10, corr=8), Kernel("bmm", 150, 10, corr=8),
-          Kernel("adam", 210, 10, corr=6), Kernel("late", 220, 0, corr=99), Kernel("x", 221, 4, corr=99),
-          Kernel("inside", 90, 5, corr=6)]  # fmt: skip
-    rows = idle_by_cpu_op(ks, [step, foreach, norms, bmm, launch], steps=2)
-    assert rows == [
-        {"cpu_op": "Optimizer.step#AdamW.step", "ms_per_step": pytest.approx(0.025), "gaps_per_step": 0.5},
-        {"cpu_op": "flux_kernels::lora_grad_norms", "ms_per_step": pytest.approx(0.020), "gaps_per_step": 1.0},
-        {"cpu_op": "(launch not recorded)", "ms_per_step": pytest.approx(0.0005), "gaps_per_step": 0.5},
+    def op(name, start, end, thread=1, parent=None):
+        return E(name=name, device_type="DeviceType.CPU", cpu_parent=parent, is_async=False, thread=thread,
+                 time_range=E(start=start, end=end))  # fmt: skip
+
+    step = op("Optimizer.step#AdamW.step", 150, 205)
+    inner = op("aten::_foreach_add_", 160, 200, parent=step)
+    norms = op("flux_kernels::lora_grad_norms", 100, 148)
+    backward = op("autograd::engine::evaluate_function: MmBackward0", 95, 130, thread=2)
+    gpu = E(name="gemm", device_type="DeviceType.CUDA", cpu_parent=None, is_async=False, thread=7,
+            time_range=E(start=0, end=300))  # fmt: skip
+    ks = [Kernel("gemm", 0, 100), Kernel("bmm", 140, 5), Kernel("adam", 210, 5), Kernel("x", 230, 5),
+          Kernel("inside", 90, 5)]  # fmt: skip
+    rows = idle_by_cpu_op(ks, [step, inner, norms, backward, gpu], steps=2)
+    assert rows == [  # gaps: 100-140 (norms 40 > backward 30), 145-210 (the step 55 > norms 3), 215-230 (none)
+        {"cpu_op": "Optimizer.step#AdamW.step", "ms_per_step": pytest.approx(0.0325), "gaps_per_step": 0.5},
+        {"cpu_op": "flux_kernels::lora_grad_norms", "ms_per_step": pytest.approx(0.020), "gaps_per_step": 0.5},
+        {"cpu_op": "(no recorded op)", "ms_per_step": pytest.approx(0.0075), "gaps_per_step": 0.5},
     ]
     text = format_summary({**summarize(ks, 0.001, 2), "idle_by_cpu_op": rows})
     assert "Optimizer.step#AdamW.step" in text and "outermost CPU op" in text
+
+
+def test_idle_attribution_reads_real_profiler_events():
+    """torch.profiler's own CPU events (times, threads, parents) against kernels placed around a recorded phase."""
+    import time as _time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from flux_trainer.metrics.profile import idle_by_cpu_op
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("phase_a"):
+            torch.ones(4).add_(1)
+            _time.sleep(0.02)
+    events = prof.events()
+    (phase,) = [e for e in events if e.name == "phase_a"]
+    r = phase.time_range
+    ks = [Kernel("before", r.start - 50, 40), Kernel("after", r.end + 10, 5)]  # a gap covering the whole phase
+    (row, *rest) = idle_by_cpu_op(ks, events, steps=1)
+    assert row["cpu_op"] == "phase_a" and row["gaps_per_step"] == 1
+    assert row["ms_per_step"] == pytest.approx((r.end + 10 - (r.start - 10)) / 1e3) and not rest
