@@ -157,6 +157,10 @@ def format_summary(summary: dict[str, Any], cpu_ops: list[tuple[str, float]] | N
         lines.append(f"device idle while the CPU ran:  {'ms/step':>9} {'gaps/step':>9}  outermost CPU op")
         for row in s["idle_by_cpu_op"]:
             lines.append(f"{'':31} {row['ms_per_step']:9.2f} {row['gaps_per_step']:9.0f}  {row['cpu_op'][:100]}")
+    if s.get("host_copies_by_cpu_op"):
+        lines.append(f"device-to-host copies (syncs):  {'per step':>9}            CPU op (outermost > innermost)")
+        for row in s["host_copies_by_cpu_op"]:
+            lines.append(f"{'':31} {row['copies_per_step']:9.1f}            {row['cpu_op'][:110]}")
     lines.append(f"top kernels: {'ms/step':>9} {'calls':>6} {'mean us':>8}  kind         name")
     for row in s["top_kernels"]:
         lines.append(
@@ -180,42 +184,81 @@ def device_kernels(events: Iterable[Any]) -> list[Kernel]:
     return out
 
 
+class CpuTimeline:
+    """The outermost recorded CPU ops of a profile, per thread, to ask which one ran during a device interval.
+    By time, not by kernel-launch correlation ids: on torch 2.11 (the H200's) those did not link kernels to ops in
+    the events torch.profiler returns."""
+
+    def __init__(self, events: Iterable[Any]) -> None:
+        self.threads: dict[Any, list[tuple[float, float, Any]]] = defaultdict(list)
+        for e in events:
+            if not str(getattr(e, "device_type", "")).endswith("CPU") or getattr(e, "cpu_parent", None) is not None:
+                continue
+            if not getattr(e, "is_async", False):
+                self.threads[getattr(e, "thread", 0)].append((float(e.time_range.start), float(e.time_range.end), e))
+        for ops in self.threads.values():
+            ops.sort(key=lambda o: o[0])
+        self.starts = {t: [o[0] for o in ops] for t, ops in self.threads.items()}
+
+    def outermost(self, a: float, b: float) -> Any:
+        """The outermost op overlapping [a, b] the longest, on any thread (None: only Python ran)."""
+        best, found = 0.0, None
+        for t, ops in self.threads.items():
+            i = bisect.bisect_left(self.starts[t], b) - 1
+            while i >= 0 and ops[i][1] > a:  # a thread's outermost ops do not overlap: ends rise with starts
+                overlap = min(b, ops[i][1]) - max(a, ops[i][0])
+                if overlap > best:
+                    best, found = overlap, ops[i][2]
+                i -= 1
+        return found
+
+
+def _innermost(op: Any, a: float, b: float) -> Any:
+    """Down from `op` through the child ops overlapping [a, b] to the deepest one."""
+    while True:
+        inside = [c for c in getattr(op, "cpu_children", []) or [] if c.time_range.start < b and c.time_range.end > a]
+        if not inside:
+            return op
+        op = inside[0]
+
+
 def idle_by_cpu_op(kernels: list[Kernel], events: Iterable[Any], steps: int, top: int = 10) -> list[dict[str, Any]]:
     """The device's idle gaps inside the window, each charged to what the CPU was doing meanwhile: the outermost
     recorded CPU op (an autograd node, a compiled region, `Optimizer.step#...`, `aten::item`, `cudaStreamSynchronize`,
     an annotation such as `flux_kernels::lora_grad_norms`) overlapping the gap most, on any thread; "(no recorded
     op)" when only Python ran. Much idle time under one name says the GPU waited on the CPU there: launches too
-    small to cover their own overhead, or a sync. By time, not by kernel-launch correlation ids: on torch 2.11
-    (the H200's) those did not link kernels to ops in the events torch.profiler returns."""
-    threads: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
-    for e in events:
-        if not str(getattr(e, "device_type", "")).endswith("CPU") or getattr(e, "cpu_parent", None) is not None:
-            continue
-        if getattr(e, "is_async", False):
-            continue
-        r = e.time_range
-        threads[getattr(e, "thread", 0)].append((float(r.start), float(r.end), e.name))
-    for ops in threads.values():
-        ops.sort()
-    starts = {t: [o[0] for o in ops] for t, ops in threads.items()}
+    small to cover their own overhead, or a sync."""
+    timeline = CpuTimeline(events)
     acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     end = None
     for k in sorted(kernels, key=lambda k: k.start_us):
         if end is not None and k.start_us > end:
-            a, b = end, k.start_us
-            best, label = 0.0, "(no recorded op)"
-            for t, ops in threads.items():
-                i = bisect.bisect_left(starts[t], b) - 1
-                while i >= 0 and ops[i][1] > a:  # a thread's outermost ops do not overlap: ends rise with starts
-                    overlap = min(b, ops[i][1]) - max(a, ops[i][0])
-                    if overlap > best:
-                        best, label = overlap, ops[i][2]
-                    i -= 1
-            acc[label][0] += b - a
-            acc[label][1] += 1
+            op = timeline.outermost(end, k.start_us)
+            row = acc["(no recorded op)" if op is None else op.name]
+            row[0] += k.start_us - end
+            row[1] += 1
         end = k.start_us + k.dur_us if end is None else max(end, k.start_us + k.dur_us)
     rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"cpu_op": name, "ms_per_step": us / 1e3 / steps, "gaps_per_step": n / steps} for name, (us, n) in rows]
+
+
+HOST_COPY = re.compile(r"memcpy dtoh|device -> pageable|device -> pinned", re.I)
+
+
+def host_copies_by_cpu_op(kernels: list[Kernel], events: Iterable[Any], steps: int, top: int = 8) -> list[dict]:
+    """Device-to-host copies (each one a sync when it goes to pageable memory: `.item()`, `.cpu()`, a Python `if`
+    on a tensor) per step, by the CPU ops that ran them: "outermost > innermost" op during the copy."""
+    timeline = CpuTimeline(events)
+    acc: dict[str, int] = defaultdict(int)
+    for k in kernels:
+        if HOST_COPY.search(k.name):
+            a, b = k.start_us, k.start_us + max(k.dur_us, 1e-3)
+            op = timeline.outermost(a, b)
+            inner = None if op is None else _innermost(op, a, b)
+            label = "(no recorded op)" if op is None else op.name if inner is op else f"{op.name} > {inner.name}"
+            acc[label] += 1
+    rows = sorted(acc.items(), key=lambda kv: -kv[1])[:top]
+    return [{"cpu_op": name, "copies_per_step": n / steps} for name, n in rows]
 
 
 def cpu_top_ops(prof: Any, steps: int, top: int = 12) -> list[tuple[str, float]]:
@@ -291,6 +334,7 @@ class StepProfiler:
         if self.summary["kernels_per_step"]:
             self.summary["matmuls"] = matmul_rates(events, self.steps)
             self.summary["idle_by_cpu_op"] = idle_by_cpu_op(kernels, events, self.steps)
+            self.summary["host_copies_by_cpu_op"] = host_copies_by_cpu_op(kernels, events, self.steps)
         self.text = format_summary(self.summary, cpu_top_ops(prof, self.steps))
         trace = self.out_dir / f"trace-rank{self.rank}.json"
         prof.export_chrome_trace(str(trace))

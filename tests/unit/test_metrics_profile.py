@@ -183,3 +183,29 @@ def test_idle_attribution_reads_real_profiler_events():
     (row, *rest) = idle_by_cpu_op(ks, events, steps=1)
     assert row["cpu_op"] == "phase_a" and row["gaps_per_step"] == 1
     assert row["ms_per_step"] == pytest.approx((r.end + 10 - (r.start - 10)) / 1e3) and not rest
+
+
+def test_host_copies_are_named_by_the_ops_that_ran_them():
+    """A device-to-host copy placed where torch.profiler recorded an `.item()` inside an annotated region is charged
+    to "region > the innermost op"; copies elsewhere to "(no recorded op)"; other kernels are not copies."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from flux_trainer.metrics.profile import host_copies_by_cpu_op
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("lora_step"):
+            torch.ones(3).sum().item()
+    events = prof.events()
+    (item,) = [e for e in events if e.name == "aten::_local_scalar_dense"]
+    r = item.time_range
+    copy = "Memcpy DtoH (Device -> Pageable)"
+    ks = [Kernel(copy, r.start, max(r.elapsed_us() / 2, 0.001)), Kernel(copy, r.end + 1e6, 2.0),
+          Kernel("gemm", r.start, 1.0)]  # fmt: skip
+    rows = host_copies_by_cpu_op(ks, events, steps=1)
+    assert rows == [
+        {"cpu_op": "lora_step > aten::_local_scalar_dense", "copies_per_step": 1.0},
+        {"cpu_op": "(no recorded op)", "copies_per_step": 1.0},
+    ]
+    text = format_summary({**summarize(ks, 0.01, 1), "host_copies_by_cpu_op": rows})
+    assert "lora_step > aten::_local_scalar_dense" in text
