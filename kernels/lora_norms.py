@@ -45,8 +45,8 @@ def row_norms(up: Tensor, down: Tensor, d_up: Tensor, d_down: Tensor, scale: flo
 @torch.no_grad()
 def batched_row_norms(ups, downs, d_ups, d_downs, scale: float) -> Tensor:
     """`row_norms` of k modules of one shape and scale in a few batched ops: [k, out, 1] float32. One call per
-    weight shape instead of a dozen small kernels per module: FLUX's 304 modules have 7 shapes, and launching
-    ~13 kernels for each of them kept the GPU waiting on the CPU for ~35 ms a step (measured on an H200)."""
+    weight shape instead of a dozen small kernels per module: FLUX's 304 modules have 7 shapes; module by module
+    the launches took 58 ms of wall time a step, batched 3.6 ms (H200), and the step went from 0.428 to 0.381 s."""
     a = torch.cat([torch.stack(ups), torch.stack(d_ups)], dim=2).double()  # [k, out, 2r]
     b = torch.cat([torch.stack(d_downs), torch.stack(downs)], dim=1).double()  # [k, 2r, in]
     squared = (torch.bmm(a, torch.bmm(b, b.transpose(1, 2))) * a).sum(dim=2, keepdim=True)
