@@ -222,13 +222,12 @@ def _innermost(op: Any, a: float, b: float) -> Any:
         op = inside[0]
 
 
-def idle_by_cpu_op(kernels: list[Kernel], events: Iterable[Any], steps: int, top: int = 10) -> list[dict[str, Any]]:
+def idle_by_cpu_op(kernels: list[Kernel], timeline: CpuTimeline, steps: int, top: int = 10) -> list[dict[str, Any]]:
     """The device's idle gaps inside the window, each charged to what the CPU was doing meanwhile: the outermost
     recorded CPU op (an autograd node, a compiled region, `Optimizer.step#...`, `aten::item`, `cudaStreamSynchronize`,
     an annotation such as `flux_kernels::lora_grad_norms`) overlapping the gap most, on any thread; "(no recorded
     op)" when only Python ran. Much idle time under one name says the GPU waited on the CPU there: launches too
     small to cover their own overhead, or a sync."""
-    timeline = CpuTimeline(events)
     acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     end = None
     for k in sorted(kernels, key=lambda k: k.start_us):
@@ -245,10 +244,9 @@ def idle_by_cpu_op(kernels: list[Kernel], events: Iterable[Any], steps: int, top
 HOST_COPY = re.compile(r"memcpy dtoh|device -> pageable|device -> pinned", re.I)
 
 
-def host_copies_by_cpu_op(kernels: list[Kernel], events: Iterable[Any], steps: int, top: int = 8) -> list[dict]:
+def host_copies_by_cpu_op(kernels: list[Kernel], timeline: CpuTimeline, steps: int, top: int = 8) -> list[dict]:
     """Device-to-host copies (each one a sync when it goes to pageable memory: `.item()`, `.cpu()`, a Python `if`
     on a tensor) per step, by the CPU ops that ran them: "outermost > innermost" op during the copy."""
-    timeline = CpuTimeline(events)
     acc: dict[str, int] = defaultdict(int)
     for k in kernels:
         if HOST_COPY.search(k.name):
@@ -333,8 +331,9 @@ class StepProfiler:
         self.summary = summarize(kernels, wall, self.steps)
         if self.summary["kernels_per_step"]:
             self.summary["matmuls"] = matmul_rates(events, self.steps)
-            self.summary["idle_by_cpu_op"] = idle_by_cpu_op(kernels, events, self.steps)
-            self.summary["host_copies_by_cpu_op"] = host_copies_by_cpu_op(kernels, events, self.steps)
+            timeline = CpuTimeline(events)
+            self.summary["idle_by_cpu_op"] = idle_by_cpu_op(kernels, timeline, self.steps)
+            self.summary["host_copies_by_cpu_op"] = host_copies_by_cpu_op(kernels, timeline, self.steps)
         self.text = format_summary(self.summary, cpu_top_ops(prof, self.steps))
         trace = self.out_dir / f"trace-rank{self.rank}.json"
         prof.export_chrome_trace(str(trace))

@@ -139,7 +139,7 @@ def test_device_kernels_leave_out_annotations_and_cpu_ops():
 def test_idle_gaps_are_charged_to_the_outermost_cpu_op_overlapping_them_most():
     from types import SimpleNamespace as E
 
-    from flux_trainer.metrics.profile import idle_by_cpu_op
+    from flux_trainer.metrics.profile import CpuTimeline, idle_by_cpu_op
 
     def op(name, start, end, thread=1, parent=None):
         return E(name=name, device_type="DeviceType.CPU", cpu_parent=parent, is_async=False, thread=thread,
@@ -153,7 +153,7 @@ def test_idle_gaps_are_charged_to_the_outermost_cpu_op_overlapping_them_most():
             time_range=E(start=0, end=300))  # fmt: skip
     ks = [Kernel("gemm", 0, 100), Kernel("bmm", 140, 5), Kernel("adam", 210, 5), Kernel("x", 230, 5),
           Kernel("inside", 90, 5)]  # fmt: skip
-    rows = idle_by_cpu_op(ks, [step, inner, norms, backward, gpu], steps=2)
+    rows = idle_by_cpu_op(ks, CpuTimeline([step, inner, norms, backward, gpu]), steps=2)
     assert rows == [  # gaps: 100-140 (norms 40 > backward 30), 145-210 (the step 55 > norms 3), 215-230 (none)
         {"cpu_op": "Optimizer.step#AdamW.step", "ms_per_step": pytest.approx(0.0325), "gaps_per_step": 0.5},
         {"cpu_op": "flux_kernels::lora_grad_norms", "ms_per_step": pytest.approx(0.020), "gaps_per_step": 0.5},
@@ -170,7 +170,7 @@ def test_idle_attribution_reads_real_profiler_events():
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from flux_trainer.metrics.profile import idle_by_cpu_op
+    from flux_trainer.metrics.profile import CpuTimeline, idle_by_cpu_op
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("phase_a"):
@@ -180,7 +180,7 @@ def test_idle_attribution_reads_real_profiler_events():
     (phase,) = [e for e in events if e.name == "phase_a"]
     r = phase.time_range
     ks = [Kernel("before", r.start - 50, 40), Kernel("after", r.end + 10, 5)]  # a gap covering the whole phase
-    (row, *rest) = idle_by_cpu_op(ks, events, steps=1)
+    (row, *rest) = idle_by_cpu_op(ks, CpuTimeline(events), steps=1)
     assert row["cpu_op"] == "phase_a" and row["gaps_per_step"] == 1
     assert row["ms_per_step"] == pytest.approx((r.end + 10 - (r.start - 10)) / 1e3) and not rest
 
@@ -191,7 +191,7 @@ def test_host_copies_are_named_by_the_ops_that_ran_them():
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from flux_trainer.metrics.profile import host_copies_by_cpu_op
+    from flux_trainer.metrics.profile import CpuTimeline, host_copies_by_cpu_op
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("lora_step"):
@@ -202,7 +202,7 @@ def test_host_copies_are_named_by_the_ops_that_ran_them():
     copy = "Memcpy DtoH (Device -> Pageable)"
     ks = [Kernel(copy, r.start, max(r.elapsed_us() / 2, 0.001)), Kernel(copy, r.end + 1e6, 2.0),
           Kernel("gemm", r.start, 1.0)]  # fmt: skip
-    rows = host_copies_by_cpu_op(ks, events, steps=1)
+    rows = host_copies_by_cpu_op(ks, CpuTimeline(events), steps=1)
     assert rows == [
         {"cpu_op": "lora_step > aten::_local_scalar_dense", "copies_per_step": 1.0},
         {"cpu_op": "(no recorded op)", "copies_per_step": 1.0},
