@@ -154,13 +154,13 @@ def format_summary(summary: dict[str, Any], cpu_ops: list[tuple[str, float]] | N
             f"{row['tflop_per_step']:.2f} TFLOP/step, {row['tflops']:.0f} TFLOP/s"
         )
     if s.get("idle_by_cpu_op"):
-        lines.append(f"device idle while the CPU ran:  {'ms/step':>9} {'gaps/step':>9}  outermost CPU op @ Python line")
+        lines.append(f"device idle while the CPU ran:  {'ms/step':>9} {'gaps/step':>9}  outermost CPU op")
         for row in s["idle_by_cpu_op"]:
-            lines.append(f"{'':31} {row['ms_per_step']:9.2f} {row['gaps_per_step']:9.0f}  {row['cpu_op'][:160]}")
+            lines.append(f"{'':31} {row['ms_per_step']:9.2f} {row['gaps_per_step']:9.0f}  {row['cpu_op'][:100]}")
     if s.get("host_copies_by_cpu_op"):
-        lines.append(f"device-to-host copies (syncs):  {'per step':>9}            CPU op (outermost > innermost @ Python line)")
+        lines.append(f"device-to-host copies (syncs):  {'per step':>9}            CPU op (outermost > innermost)")
         for row in s["host_copies_by_cpu_op"]:
-            lines.append(f"{'':31} {row['copies_per_step']:9.1f}            {row['cpu_op'][:160]}")
+            lines.append(f"{'':31} {row['copies_per_step']:9.1f}            {row['cpu_op'][:110]}")
     lines.append(f"top kernels: {'ms/step':>9} {'calls':>6} {'mean us':>8}  kind         name")
     for row in s["top_kernels"]:
         lines.append(
@@ -184,44 +184,15 @@ def device_kernels(events: Iterable[Any]) -> list[Kernel]:
     return out
 
 
-def _is_python(e: Any) -> bool:
-    return bool(getattr(e, "is_python_function", False))
-
-
-def _under_an_op(e: Any) -> bool:
-    """Whether a recorded op (not a Python frame) encloses `e`: with `with_stack` the ops hang under frames."""
-    p = getattr(e, "cpu_parent", None)
-    while p is not None:
-        if not _is_python(p):
-            return True
-        p = getattr(p, "cpu_parent", None)
-    return False
-
-
-# Python frames that say nothing about who asked: torch's own, the profiler's, builtins
-LIBRARY_FRAME = re.compile(r"^(<built-in|torch/|<frozen|contextlib\.py|functools\.py|threading\.py)")
-
-
-def python_frame(op: Any) -> str | None:
-    """The innermost Python frame enclosing `op` outside torch ("file(line): function"), from the frames
-    torch.profiler records with `with_stack=True`; None without them."""
-    p = getattr(op, "cpu_parent", None)
-    while p is not None:
-        if _is_python(p) and not LIBRARY_FRAME.match(p.name):
-            return p.name
-        p = getattr(p, "cpu_parent", None)
-    return None
-
-
 class CpuTimeline:
-    """The outermost recorded CPU ops of a profile (Python frames left out), per thread, to ask which one ran
-    during a device interval. By time, not by kernel-launch correlation ids: on torch 2.11 (the H200's) those did
-    not link kernels to ops in the events torch.profiler returns."""
+    """The outermost recorded CPU ops of a profile, per thread, to ask which one ran during a device interval.
+    By time, not by kernel-launch correlation ids: on torch 2.11 (the H200's) those did not link kernels to ops in
+    the events torch.profiler returns."""
 
     def __init__(self, events: Iterable[Any]) -> None:
         self.threads: dict[Any, list[tuple[float, float, Any]]] = defaultdict(list)
         for e in events:
-            if not str(getattr(e, "device_type", "")).endswith("CPU") or _is_python(e) or _under_an_op(e):
+            if not str(getattr(e, "device_type", "")).endswith("CPU") or getattr(e, "cpu_parent", None) is not None:
                 continue
             if not getattr(e, "is_async", False):
                 self.threads[getattr(e, "thread", 0)].append((float(e.time_range.start), float(e.time_range.end), e))
@@ -243,38 +214,26 @@ class CpuTimeline:
 
 
 def _innermost(op: Any, a: float, b: float) -> Any:
-    """Down from `op` through the child ops overlapping [a, b] to the deepest one (through Python frames, which
-    are not ops themselves)."""
-    deepest = op
+    """Down from `op` through the child ops overlapping [a, b] to the deepest one."""
     while True:
         inside = [c for c in getattr(op, "cpu_children", []) or [] if c.time_range.start < b and c.time_range.end > a]
         if not inside:
-            return deepest
+            return op
         op = inside[0]
-        if not _is_python(op):
-            deepest = op
-
-
-def _label(op: Any, inner: Any = None) -> str:
-    """ "outermost > innermost @ the Python line that called it" (parts only where known)."""
-    if op is None:
-        return "(no recorded op)"
-    name = op.name if inner is None or inner is op else f"{op.name} > {inner.name}"
-    frame = python_frame(op)
-    return f"{name} @ {frame}" if frame else name
 
 
 def idle_by_cpu_op(kernels: list[Kernel], timeline: CpuTimeline, steps: int, top: int = 10) -> list[dict[str, Any]]:
     """The device's idle gaps inside the window, each charged to what the CPU was doing meanwhile: the outermost
     recorded CPU op (an autograd node, a compiled region, `Optimizer.step#...`, `aten::item`, `cudaStreamSynchronize`,
-    an annotation such as `flux_kernels::lora_grad_norms`) overlapping the gap most, on any thread, and the Python
-    line outside torch that ran it; "(no recorded op)" when only Python ran. Much idle time under one name says the GPU waited on the CPU there: launches too
+    an annotation such as `flux_kernels::lora_grad_norms`) overlapping the gap most, on any thread; "(no recorded
+    op)" when only Python ran. Much idle time under one name says the GPU waited on the CPU there: launches too
     small to cover their own overhead, or a sync."""
     acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     end = None
     for k in sorted(kernels, key=lambda k: k.start_us):
         if end is not None and k.start_us > end:
-            row = acc[_label(timeline.outermost(end, k.start_us))]
+            op = timeline.outermost(end, k.start_us)
+            row = acc["(no recorded op)" if op is None else op.name]
             row[0] += k.start_us - end
             row[1] += 1
         end = k.start_us + k.dur_us if end is None else max(end, k.start_us + k.dur_us)
@@ -287,14 +246,15 @@ HOST_COPY = re.compile(r"memcpy dtoh|device -> pageable|device -> pinned", re.I)
 
 def host_copies_by_cpu_op(kernels: list[Kernel], timeline: CpuTimeline, steps: int, top: int = 8) -> list[dict]:
     """Device-to-host copies (each one a sync when it goes to pageable memory: `.item()`, `.cpu()`, a Python `if`
-    on a tensor) per step, by the CPU ops that ran them: "outermost > innermost op @ the Python line outside torch
-    that called them"."""
+    on a tensor) per step, by the CPU ops that ran them: "outermost > innermost" op during the copy."""
     acc: dict[str, int] = defaultdict(int)
     for k in kernels:
         if HOST_COPY.search(k.name):
             a, b = k.start_us, k.start_us + max(k.dur_us, 1e-3)
             op = timeline.outermost(a, b)
-            acc[_label(op, None if op is None else _innermost(op, a, b))] += 1
+            inner = None if op is None else _innermost(op, a, b)
+            label = "(no recorded op)" if op is None else op.name if inner is op else f"{op.name} > {inner.name}"
+            acc[label] += 1
     rows = sorted(acc.items(), key=lambda kv: -kv[1])[:top]
     return [{"cpu_op": name, "copies_per_step": n / steps} for name, n in rows]
 
@@ -349,7 +309,7 @@ class StepProfiler:
         if getattr(device, "type", "") == "cuda":
             activities.append(ProfilerActivity.CUDA)
             torch.cuda.synchronize(device)
-        self._prof = profile(activities=activities, record_shapes=True, with_stack=True)
+        self._prof = profile(activities=activities, record_shapes=True)
         self._prof.__enter__()
         self._t0 = time.perf_counter()
         self._device = device

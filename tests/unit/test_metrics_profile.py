@@ -2,7 +2,6 @@ import gzip
 import json
 
 import pytest
-import torch
 
 from flux_trainer.metrics.profile import Kernel, StepProfiler, busy_us, format_summary, kind_of, summarize
 
@@ -210,32 +209,3 @@ def test_host_copies_are_named_by_the_ops_that_ran_them():
     ]
     text = format_summary({**summarize(ks, 0.01, 1), "host_copies_by_cpu_op": rows})
     assert "lora_step > aten::_local_scalar_dense" in text
-
-
-def _sync_in_user_code(x):
-    return x.to(torch.float64).sum().item()
-
-
-def test_host_copies_name_the_python_line_that_ran_them():
-    """With the profiler's Python frames (`with_stack`, as StepProfiler records), the copy is charged to the op as
-    before plus the innermost frame outside torch: this test module's function, not torch's own wrappers."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from flux_trainer.metrics.profile import CpuTimeline, host_copies_by_cpu_op, idle_by_cpu_op
-
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        with record_function("lora_step"):
-            _sync_in_user_code(torch.ones(3))
-    events = prof.events()
-    (item,) = [e for e in events if e.name == "aten::_local_scalar_dense"]
-    r = item.time_range
-    ks = [Kernel("Memcpy DtoH (Device -> Pageable)", r.start, max(r.elapsed_us() / 2, 0.001))]
-    timeline = CpuTimeline(events)
-    assert all(not e.is_python_function for ops in timeline.threads.values() for *_, e in ops)
-    ((label, n),) = [(row["cpu_op"], row["copies_per_step"]) for row in host_copies_by_cpu_op(ks, timeline, 1)]
-    assert n == 1.0 and label.startswith("lora_step > aten::_local_scalar_dense @ ")
-    assert "test_metrics_profile.py(" in label and label.endswith(": test_host_copies_name_the_python_line_that_ran_them")
-    (item_op,) = [e for e in events if e.name == "aten::item"]
-    inside = [Kernel("k", item_op.time_range.start - 5, 1), Kernel("k", item_op.time_range.end + 1, 1)]
-    (row,) = idle_by_cpu_op(inside, CpuTimeline(events), steps=1)
-    assert row["cpu_op"].startswith("lora_step @ ") and "test_metrics_profile.py(" in row["cpu_op"]
