@@ -16,13 +16,18 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import logging
 import re
 import time
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # first match wins: cuDNN's attention kernels carry "wgmma" too, so attention is tried before matmul
 KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -161,6 +166,10 @@ def format_summary(summary: dict[str, Any], cpu_ops: list[tuple[str, float]] | N
         lines.append(f"device-to-host copies (syncs):  {'per step':>9}            CPU op (outermost > innermost)")
         for row in s["host_copies_by_cpu_op"]:
             lines.append(f"{'':31} {row['copies_per_step']:9.1f}            {row['cpu_op'][:110]}")
+    if s.get("syncs"):
+        lines.append(f"synchronising calls: {'per step':>9}            Python call stack, innermost first")
+        for row in s["syncs"]:
+            lines.append(f"{'':20} {row['per_step']:9.1f}            {row['where'][:200]}")
     lines.append(f"top kernels: {'ms/step':>9} {'calls':>6} {'mean us':>8}  kind         name")
     for row in s["top_kernels"]:
         lines.append(
@@ -264,6 +273,60 @@ def cpu_top_ops(prof: Any, steps: int, top: int = 12) -> list[tuple[str, float]]
     return [(r.key, r.self_cpu_time_total / 1e3 / steps) for r in rows]
 
 
+SYNC_WARNING = "called a synchronizing"  # torch's warning in sync debug mode ("... CUDA operation")
+_NOT_THE_CALLER = re.compile(r"[/\\](torch|warnings\.py|contextlib\.py|flux_trainer[/\\]metrics[/\\]profile\.py)")
+
+
+def caller_stack(frames: list[traceback.FrameSummary], depth: int = 3) -> str:
+    """The innermost `depth` frames outside torch, innermost first: "dir/file.py:line func < ..."."""
+    mine = [f for f in frames if not _NOT_THE_CALLER.search(f.filename)]
+    parts = [f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} {f.name}" for f in reversed(mine[-depth:])]
+    return " < ".join(parts) or "(torch internals only)"
+
+
+class SyncTrace:
+    """Which Python lines make the device synchronise: torch.cuda's sync debug mode ("warn") over the profile window,
+    each synchronising call's warning turned into a count per Python call stack (the profiler sees the copies but
+    not who asked for them). Other warnings pass through as before."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._cm: Any = None
+        self._cuda = False
+
+    def start(self, cuda: bool) -> None:
+        self._cm = warnings.catch_warnings()  # restores filters and showwarning at stop
+        self._cm.__enter__()
+        warnings.filterwarnings("always", message=f"{SYNC_WARNING}.*")
+        passthrough = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if str(message).startswith(SYNC_WARNING):
+                self.counts[caller_stack(traceback.extract_stack()[:-1])] += 1
+            else:
+                passthrough(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        self._cuda = cuda
+        if cuda:
+            import torch
+
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        if self._cm is None:
+            return
+        if self._cuda:
+            import torch
+
+            torch.cuda.set_sync_debug_mode("default")
+        self._cm.__exit__(None, None, None)
+        self._cm = None
+
+    def rows(self, steps: int, top: int = 8) -> list[dict[str, Any]]:
+        return [{"where": k, "per_step": n / steps} for k, n in self.counts.most_common(top)]
+
+
 class StepProfiler:
     """Opens torch.profiler at the start of a chosen batch and closes it `steps` optimizer steps later."""
 
@@ -290,16 +353,14 @@ class StepProfiler:
         if micro_step == self.first and self._prof is None:
             self._start(device, micro_step)
         elif micro_step == self.stop_at and self._prof is not None:
-            self._finish(device)
-            return True
+            return self._finish(device)
         return False
 
     def close(self) -> bool:
         """At the end of training: a window the run ended inside is written with the steps it saw."""
         if self._prof is None:
             return False
-        self._finish(self._device)
-        return True
+        return self._finish(self._device)
 
     def _start(self, device: Any, micro_step: int) -> None:
         import torch
@@ -311,20 +372,32 @@ class StepProfiler:
             torch.cuda.synchronize(device)
         self._prof = profile(activities=activities, record_shapes=True)
         self._prof.__enter__()
+        self._syncs = SyncTrace()
+        self._syncs.start(cuda=getattr(device, "type", "") == "cuda")
         self._t0 = time.perf_counter()
         self._device = device
         self._started_at = micro_step
 
-    def _finish(self, device: Any) -> None:
+    def _finish(self, device: Any) -> bool:
+        """Close the window and write the summary; a failure here is logged, never raised into training."""
         import torch
 
-        if getattr(device, "type", "") == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - self._t0
         prof, self._prof = self._prof, None
-        if self._seen < self.stop_at:  # closed by the end of training: only the batches that ran
-            self.steps = max(1, (self._seen - self._started_at + 1) // self.accumulation)
-        prof.__exit__(None, None, None)
+        self._syncs.stop()
+        try:
+            if getattr(device, "type", "") == "cuda":
+                torch.cuda.synchronize(device)
+            wall = time.perf_counter() - self._t0
+            if self._seen < self.stop_at:  # closed by the end of training: only the batches that ran
+                self.steps = max(1, (self._seen - self._started_at + 1) // self.accumulation)
+            prof.__exit__(None, None, None)
+            self._write(prof, wall)
+            return True
+        except Exception as e:  # noqa: BLE001 - the profile is a diagnostic; the run it observes goes on
+            log.warning("profile not written: %s: %s", type(e).__name__, e)
+            return False
+
+    def _write(self, prof: Any, wall: float) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         events = prof.events()
         kernels = device_kernels(events)
@@ -334,6 +407,7 @@ class StepProfiler:
             timeline = CpuTimeline(events)
             self.summary["idle_by_cpu_op"] = idle_by_cpu_op(kernels, timeline, self.steps)
             self.summary["host_copies_by_cpu_op"] = host_copies_by_cpu_op(kernels, timeline, self.steps)
+        self.summary["syncs"] = self._syncs.rows(self.steps)
         self.text = format_summary(self.summary, cpu_top_ops(prof, self.steps))
         trace = self.out_dir / f"trace-rank{self.rank}.json"
         prof.export_chrome_trace(str(trace))

@@ -2,6 +2,7 @@ import gzip
 import json
 
 import pytest
+import torch
 
 from flux_trainer.metrics.profile import Kernel, StepProfiler, busy_us, format_summary, kind_of, summarize
 
@@ -209,3 +210,60 @@ def test_host_copies_are_named_by_the_ops_that_ran_them():
     ]
     text = format_summary({**summarize(ks, 0.01, 1), "host_copies_by_cpu_op": rows})
     assert "lora_step > aten::_local_scalar_dense" in text
+
+
+def _fake_sync():
+    import warnings
+
+    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)  # torch's sync debug mode
+
+
+def test_sync_trace_counts_synchronising_calls_by_python_stack_and_passes_other_warnings_on():
+    import warnings
+
+    from flux_trainer.metrics.profile import SyncTrace
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        shown_before = warnings.showwarning
+        trace = SyncTrace()
+        trace.start(cuda=False)
+        for _ in range(3):
+            _fake_sync()
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        trace.stop()
+        assert warnings.showwarning is shown_before  # restored
+        _fake_sync()  # after the window: not counted, shown as usual
+    ((where, n),) = trace.counts.items()
+    assert n == 3 and where.startswith("unit/test_metrics_profile.py:") and " _fake_sync < " in where
+    caller = where.split(" < ")[1]
+    assert caller.endswith(" test_sync_trace_counts_synchronising_calls_by_python_stack_and_passes_other_warnings_on")
+    assert [str(w.message) for w in seen] == ["something else", "called a synchronizing CUDA operation"]
+    assert trace.rows(steps=2) == [{"where": where, "per_step": 1.5}]
+    text = format_summary({**summarize([Kernel("gemm", 0, 5)], 0.01, 2), "syncs": trace.rows(steps=2)})
+    assert "synchronising calls" in text and "1.5" in text and " _fake_sync < " in text
+
+
+def test_profile_window_records_syncs_in_the_summary(tmp_path):
+    prof = StepProfiler(tmp_path, at=1, steps=1)
+    prof.on_batch(1, torch.device("cpu"))
+    _fake_sync()
+    assert prof.on_batch(2, torch.device("cpu"))
+    (row,) = json.loads((tmp_path / "profile" / "summary.json").read_text())["syncs"]
+    assert row["per_step"] == 1.0 and "_fake_sync" in row["where"]
+
+
+def test_a_failing_profile_is_logged_not_raised_into_training(tmp_path, monkeypatch, caplog):
+    import warnings
+
+    def broken(self, prof, wall):
+        raise UnicodeDecodeError("utf-8", b"\xdb", 0, 1, "invalid continuation byte")  # as torch 2.13 did once
+
+    monkeypatch.setattr(StepProfiler, "_write", broken)
+    shown_before = warnings.showwarning
+    prof = StepProfiler(tmp_path, at=1, steps=1)
+    prof.on_batch(1, torch.device("cpu"))
+    with caplog.at_level("WARNING"):
+        assert prof.on_batch(2, torch.device("cpu")) is False
+    assert "profile not written: UnicodeDecodeError" in caplog.text
+    assert warnings.showwarning is shown_before and prof._prof is None
