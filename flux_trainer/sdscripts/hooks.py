@@ -30,6 +30,7 @@ class RunHooks:
         self._samples_logged: set[str] = set()
         self._micro_steps = 0
         self._ranks_peak: dict[str, float] = {}
+        self._max_steps = 0
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -52,6 +53,7 @@ class RunHooks:
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
         self._accelerator = accelerator
+        self._max_steps = int(getattr(args, "max_train_steps", 0) or 0)  # final by now (sd-scripts sets it earlier)
         if self.spec.metrics.get("profile_at"):
             from flux_trainer.metrics.profile import StepProfiler
 
@@ -92,7 +94,11 @@ class RunHooks:
                 }
 
     def step_end(self, accelerator: Any, logs: dict, global_step: int) -> dict[str, float]:
-        """Tags to add to sd-scripts' logs for this step. Runs on the main process only (sd-scripts tracks there)."""
+        """Tags to add to sd-scripts' logs for this step. Runs on the main process only (sd-scripts tracks there).
+        A profile window still open after the last step closes here, so it holds training steps only, not the final
+        save (which once passed for 456 syncs per step: the LoRA's tensors copied to the CPU)."""
+        if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
+            self.profile_written(accelerator)
         if self.metrics is None:
             return {}
         if not self._texts_written:

@@ -96,3 +96,25 @@ def test_a_failing_profile_close_does_not_mask_the_run_outcome(tmp_path, caplog)
     hooks.profiler = Broken()
     hooks.train_finished()  # logs, does not raise
     assert "profile not written: RuntimeError" in caplog.text
+
+
+def test_a_profile_window_open_at_the_last_step_closes_before_the_final_save(tmp_path):
+    """The window (steps 2-4) outlasts a 3-step run: it closes at the last step's end, so the final save (once 456
+    device-to-host copies per profiled step) is not in it; train_finished then has nothing left to close."""
+    import torch
+
+    from flux_trainer.metrics.profile import StepProfiler
+
+    t = iter(float(i) for i in range(100))
+    h = hooks(tmp_path, lambda: next(t))
+    h._max_steps = 3  # what before_prepare reads from sd-scripts' args.max_train_steps
+    h.profiler = StepProfiler(tmp_path, at=2, steps=3)
+    acc = FakeAccelerator()
+    acc.device = torch.device("cpu")
+    for step in (1, 2, 3):
+        h.step_start(acc)
+        torch.ones(8, 8).matmul(torch.ones(8, 8))
+        h.step_end(acc, {"loss/current": 1.0}, step)
+        assert (tmp_path / "profile" / "summary.json").is_file() == (step == 3)
+    assert h.profiler.steps == 2 and h.profiler._prof is None
+    assert not h.profiler.close()  # what train_finished calls: nothing open any more
