@@ -18,8 +18,10 @@ Where the weights come from:
 bf16 matmul); `fp8_linear` must agree with it within fp8 rounding, forward and backward (registry probe, tests).
 Both matmuls are custom ops (`flux_kernels::fp8_mm` with its autograd formula, `flux_kernels::fp8_dgrad`): that
 is what lets torch.compile recompute them under sd-scripts' gradient checkpointing instead of keeping their outputs
-(see fp8_mm). The forward quantisation runs inside the op as one compiled kernel; the backward's is plain PyTorch
-in the backward graph, where inductor fuses it with the op producing the gradient.
+(see fp8_mm). Inside torch.compile (kernels=auto compiles the blocks) the forward quantisation is plain PyTorch in
+the graph, fused by inductor into the op producing the activations (`fp8_mm_quantized`); run eagerly it happens
+inside fp8_mm as one compiled kernel. The backward's is plain PyTorch in the backward graph, where inductor fuses
+it with the op producing the gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm: the contracted and the output dimension are multiples of 16
 ATTR = "_flux_fp8"
+QUANTIZE_IN_GRAPH = True  # under torch.compile: quantise in the graph (fused with the producer), not inside the op
 
 
 def fp8_capable(capability: tuple[int, int] | None) -> bool:
@@ -126,10 +129,25 @@ def _(x2: Tensor, w8: Tensor, sw: Tensor) -> Tensor:
     return x2.new_empty((x2.shape[0], w8.shape[0]), dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("flux_kernels::fp8_mm_quantized", mutates_args=())
+def fp8_mm_quantized(x2: Tensor, x8: Tensor, sx: Tensor, w8: Tensor, sw: Tensor) -> Tensor:
+    """fp8_mm with the activations quantised by the caller (x8, sx = quantize_rows(x2)), for compiled graphs: there
+    the quantisation is plain PyTorch that inductor fuses into the op producing x2 (LayerNorm + modulation, GELU,
+    the attention output's reshape) instead of a separate pass re-reading x2. x2 is an input only for autograd:
+    the gradient flows to it as if the matmul had read it (fp8 rounding is not differentiated, as in fp8_mm)."""
+    return _scaled_mm(x8, sx, w8.t(), sw, fast_accum=True)
+
+
+@fp8_mm_quantized.register_fake
+def _(x2: Tensor, x8: Tensor, sx: Tensor, w8: Tensor, sw: Tensor) -> Tensor:
+    return x2.new_empty((x2.shape[0], w8.shape[0]), dtype=torch.bfloat16)
+
+
 def _fp8_mm_setup(ctx, inputs, output) -> None:
-    x2, w8, sw = inputs
+    x2, *_, w8, sw = inputs  # fp8_mm: (x2, w8, sw); fp8_mm_quantized: (x2, x8, sx, w8, sw)
     ctx.save_for_backward(w8, sw)
     ctx.x_dtype = x2.dtype
+    ctx.n_inputs = len(inputs)
 
 
 def _fp8_mm_backward(ctx, dy: Tensor):
@@ -137,17 +155,26 @@ def _fp8_mm_backward(ctx, dy: Tensor):
     # dy @ (diag(sw) W8) = (dy * sw) @ W8: the row scales folded into dy before it is quantised; plain PyTorch, so
     # inductor fuses it with whatever produced dy
     g8, sg = quantize_rows(dy.float() * sw)
-    return fp8_dgrad(g8, sg, w8).to(ctx.x_dtype), None, None
+    return (fp8_dgrad(g8, sg, w8).to(ctx.x_dtype),) + (None,) * (ctx.n_inputs - 1)
 
 
 fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup)
+fp8_mm_quantized.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup)
 
 
 def fp8_linear(x: Tensor, w8: Tensor, w_scale: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x, w8 * w_scale[:, None], bias) with the matmul in fp8 (forward and input gradient)."""
+    """F.linear(x, w8 * w_scale[:, None], bias) with the matmul in fp8 (forward and input gradient). Traced by
+    torch.compile, the activation quantisation is left in the graph for inductor to fuse with x's producer;
+    run eagerly, it happens inside fp8_mm as one compiled kernel."""
     n, k = w8.shape
     sw = torch.ones(1, n, device=x.device) if w_scale is None else w_scale.to(x.device, torch.float32).view(1, n)
-    y = fp8_mm(x.reshape(-1, k), w8, sw).to(_out_dtype(x)).view(*x.shape[:-1], n)
+    x2 = x.reshape(-1, k)
+    if QUANTIZE_IN_GRAPH and torch.compiler.is_compiling():
+        x8, sx = quantize_rows(x2.detach())
+        y = fp8_mm_quantized(x2, x8, sx, w8, sw)
+    else:
+        y = fp8_mm(x2, w8, sw)
+    y = y.to(_out_dtype(x)).view(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)
 
 

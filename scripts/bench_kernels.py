@@ -201,6 +201,10 @@ def bench_fp8(dev, warmup, reps, tiny: bool, compiled: bool = True) -> list[dict
         }
         if compiled:
             variants["fp8_compiled"] = torch.compile(variants["fp8"])
+            # as in a compiled block, the activation comes from an op (here GELU): its quantisation fused into that
+            # op's kernel (fp8.QUANTIZE_IN_GRAPH, what auto does) vs a separate quantising pass inside the matmul op
+            for label, in_graph in (("gelu_bf16", None), ("gelu_fp8_in_op", False), ("gelu_fp8_fused", True)):
+                variants[label] = _gelu_then(wb if in_graph is None else (w8, scale), in_graph)
         time_variants(row, variants, (x,), dev, warmup, reps, "tflops", lambda ms, flop=flop: flop / ms / 1e9)
         # the input gradient's transposed fp8 weight: PyTorch's strided copy vs flux_kernels' tiled Triton copy
         row["transpose_exact"] = torch.equal(fp8.transpose(w8).view(torch.uint8), w8.t().contiguous().view(torch.uint8))
@@ -214,6 +218,30 @@ def bench_fp8(dev, warmup, reps, tiny: bool, compiled: bool = True) -> list[dict
             row["vs_upcast"] = best / row["upcast_tflops"]
         rows.append(row)
     return rows
+
+
+def _gelu_then(weight, quantize_in_graph: bool | None):
+    """torch.compile'd GELU followed by the frozen Linear: bf16 (None), or fp8 with the activation quantised in the
+    graph or inside the op (fp8.QUANTIZE_IN_GRAPH set for each call, so each compiled variant keeps its own)."""
+    from flux_kernels import fp8
+
+    def f(x):
+        h = torch.nn.functional.gelu(x, approximate="tanh")
+        if quantize_in_graph is None:
+            return torch.nn.functional.linear(h, weight)
+        return fp8.fp8_linear(h, *weight)
+
+    compiled = torch.compile(f)
+
+    def run(x):
+        before = fp8.QUANTIZE_IN_GRAPH
+        fp8.QUANTIZE_IN_GRAPH = bool(quantize_in_graph)
+        try:
+            return compiled(x)
+        finally:
+            fp8.QUANTIZE_IN_GRAPH = before
+
+    return run
 
 
 LORA_SHAPES = {  # (out, in): how many LoRA modules of FLUX.1 have this weight shape (lora_flux, all blocks: 304)
@@ -404,6 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         print_table("fp8 frozen Linear, forward + input gradient (TFLOP/s from GPU time; vs_*: fp8 (compiled) / other)",
                     result["fp8"], ["shape", "bf16_tflops", "upcast_tflops", "fp8_tflops", "fp8_compiled_tflops",
                                     "vs_bf16", "vs_upcast"])  # fmt: skip
+        for row in result["fp8"]:
+            if row.get("gelu_fp8_in_op_gpu_ms") and row.get("gelu_fp8_fused_gpu_ms"):
+                row["in_op_over_fused"] = row["gelu_fp8_in_op_gpu_ms"] / row["gelu_fp8_fused_gpu_ms"]
+        print_table("compiled GELU -> frozen Linear, forward + input gradient (GPU ms): bf16, fp8 quantising inside "
+                    "the op, fp8 quantisation fused into the GELU", result["fp8"],
+                    ["shape", "gelu_bf16_gpu_ms", "gelu_fp8_in_op_gpu_ms", "gelu_fp8_fused_gpu_ms",
+                     "in_op_over_fused"])  # fmt: skip
         print_table("fp8 weight transpose for the input gradient (us and TB/s moved, from GPU time)", result["fp8"],
                     ["shape", "transpose_torch_us", "transpose_triton_us", "transpose_torch_tbps",
                      "transpose_triton_tbps", "transpose_exact"])  # fmt: skip

@@ -58,6 +58,37 @@ def test_fp8_linear_follows_autocast_like_f_linear():
     assert _rel(y, y_ref) <= FP8_TOLERANCE
 
 
+def test_traced_by_torch_compile_the_quantisation_is_left_for_inductor_to_fuse():
+    """Under torch.compile the activations are quantised by plain ops in the graph (fused by inductor with their
+    producer) and fp8_mm_quantized multiplies; the result is the eager path's, bit for bit, forward and backward
+    (AOT autograd, as inductor sees it, without needing a compiler here)."""
+    gen = torch.Generator().manual_seed(3)
+    w8, scale = _weights("quantized", 96, 64, gen)
+    bias = (torch.randn(96, generator=gen) * 0.1).bfloat16()
+    x = (torch.randn(2, 37, 64, generator=gen) + 0.1).bfloat16().requires_grad_()
+    dy = torch.randn(2, 37, 96, generator=gen).bfloat16()
+
+    def f(x):
+        return torch.nn.functional.gelu(fp8.fp8_linear(torch.nn.functional.gelu(x), w8, scale, bias))
+
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=capture, fullgraph=True)(x)
+    assert "fp8_mm_quantized" in graphs[0] and "amax" in graphs[0] and "fp8_mm.default" not in graphs[0]
+    results = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        y = fn(x)
+        results.append((y, *torch.autograd.grad(y, x, dy)))
+    (y_eager, dx_eager), (y, dx) = results
+    assert torch.equal(y, y_eager) and torch.equal(dx, dx_eager)
+    torch._dynamo.reset()
+
+
 def test_quantize_rows_keeps_each_rows_range_and_a_zero_row():
     x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [1e-3, 3e-3, -4e-3]])
     x8, s = fp8.quantize_rows(x)
