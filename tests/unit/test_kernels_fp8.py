@@ -89,6 +89,12 @@ def test_traced_by_torch_compile_the_quantisation_is_left_for_inductor_to_fuse()
     torch._dynamo.reset()
 
 
+def test_the_environment_can_put_the_quantisation_back_inside_the_op():
+    assert fp8.quantize_in_graph_from({}) is True
+    assert fp8.quantize_in_graph_from({"FLUX_KERNELS_FP8_QUANTIZE": " Op"}) is False
+    assert fp8.quantize_in_graph_from({"FLUX_KERNELS_FP8_QUANTIZE": "graph"}) is True
+
+
 def test_quantize_rows_keeps_each_rows_range_and_a_zero_row():
     x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [1e-3, 3e-3, -4e-3]])
     x8, s = fp8.quantize_rows(x)
