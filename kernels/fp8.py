@@ -27,6 +27,7 @@ it with the op producing the gradient.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +36,11 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm: the contracted and the output dimension are multiples of 16
 ATTR = "_flux_fp8"
-# under torch.compile: quantise in the graph (fused with the producer), not inside the op; FLUX_KERNELS_FP8_QUANTIZE=op
-# restores the separate pass (to measure one against the other in whole training runs)
-def quantize_in_graph_from(env: dict | os._Environ = os.environ) -> bool:
+
+
+def quantize_in_graph_from(env: Mapping[str, str] = os.environ) -> bool:
+    """Under torch.compile: quantise the activations in the graph (fused with their producer), not inside the op.
+    FLUX_KERNELS_FP8_QUANTIZE=op restores the separate pass, to measure one against the other in whole runs."""
     return env.get("FLUX_KERNELS_FP8_QUANTIZE", "graph").strip().lower() != "op"
 
 

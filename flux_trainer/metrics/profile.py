@@ -342,6 +342,7 @@ class StepProfiler:
         self._started_at = 0
         self.rank = rank
         self._prof: Any = None
+        self._syncs = SyncTrace()
         self._t0 = 0.0
         self._device: Any = None
         self.summary: dict[str, Any] | None = None
