@@ -89,6 +89,39 @@ def test_traced_by_torch_compile_the_quantisation_is_left_for_inductor_to_fuse()
     torch._dynamo.reset()
 
 
+def test_quantising_in_the_graph_keeps_nothing_more_for_backward():
+    """The quantised activations (x8, its scales) feed only the forward matmul: AOT autograd must not keep them for
+    backward. Bytes kept per forward, compiled, with the quantisation in the graph and inside the op: equal."""
+    gen = torch.Generator().manual_seed(4)
+    w8, scale = _weights("quantized", 96, 64, gen)
+    x = (torch.randn(2, 37, 64, generator=gen) + 0.1).bfloat16().requires_grad_()
+
+    def f(x):
+        return fp8.fp8_linear(torch.nn.functional.gelu(x), w8, scale)
+
+    def kept(in_graph: bool) -> int:
+        fp8.QUANTIZE_IN_GRAPH = in_graph
+        torch._dynamo.reset()
+        skip = {t.untyped_storage().data_ptr() for t in (x, w8, scale)}
+        sizes = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in skip:
+                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+        return sum(sizes.values())
+
+    try:
+        in_op, in_graph = kept(False), kept(True)
+    finally:
+        fp8.QUANTIZE_IN_GRAPH = fp8.quantize_in_graph_from()
+        torch._dynamo.reset()
+    assert in_graph == in_op < x.numel()  # the row scales of the weight at most: no activation-sized tensor
+
+
 def test_the_environment_can_put_the_quantisation_back_inside_the_op():
     assert fp8.quantize_in_graph_from({}) is True
     assert fp8.quantize_in_graph_from({"FLUX_KERNELS_FP8_QUANTIZE": " Op"}) is False
