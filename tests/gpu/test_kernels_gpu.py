@@ -24,7 +24,7 @@ from flux_kernels.registry import (
     select,
     unchecked,
 )
-from tests.conftest import flux_block_pair
+from tests.conftest import flux_block_pair, saved_bytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -148,21 +148,6 @@ def block_inputs(dev, kind, lt=512, li=4096, mask=False):
     if kind == "double":
         return rnd(1, li, 3072), rnd(1, lt, 3072), rnd(1, 3072), pe, m
     return rnd(1, lt + li, 3072), rnd(1, 3072), pe, m
-
-
-def saved_bytes(block, args) -> int:
-    """Bytes one forward keeps for backward: distinct storages, parameters and inputs not counted."""
-    skip = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *(a for a in args if torch.is_tensor(a))]}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(*args)
-    return sum(seen.values())
 
 
 def peak_bytes(block, args) -> int:

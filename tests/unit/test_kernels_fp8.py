@@ -12,7 +12,7 @@ import torch
 
 from flux_kernels import fp8, patch, registry
 from flux_kernels.registry import FP8_TOLERANCE, REGISTRY, KernelSpec, Selection, probe
-from tests.conftest import flux_block_pair
+from tests.conftest import flux_block_pair, saved_bytes
 
 HIDDEN, HEADS = 256, 2
 
@@ -102,17 +102,7 @@ def test_quantising_in_the_graph_keeps_nothing_more_for_backward():
     def kept(in_graph: bool) -> int:
         fp8.QUANTIZE_IN_GRAPH = in_graph
         torch._dynamo.reset()
-        skip = {t.untyped_storage().data_ptr() for t in (x, w8, scale)}
-        sizes = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in skip:
-                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            torch.compile(f, backend="aot_eager", fullgraph=True)(x)
-        return sum(sizes.values())
+        return saved_bytes(torch.compile(f, backend="aot_eager", fullgraph=True), (x,), also_skip=(w8, scale))
 
     try:
         in_op, in_graph = kept(False), kept(True)

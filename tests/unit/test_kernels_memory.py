@@ -16,7 +16,7 @@ import torch
 
 from flux_kernels import patch, reference
 from flux_kernels.registry import unchecked
-from tests.conftest import flux_block_pair
+from tests.conftest import flux_block_pair, saved_bytes
 
 ALL_OPS = ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
 LT, LI = 8, 24
@@ -53,22 +53,6 @@ def inputs(kind: str, mask: bool):
     if kind == "double":
         return rnd(1, LI, 256), rnd(1, LT, 256), rnd(1, 256), pe, m
     return rnd(1, LT + LI, 256), rnd(1, 256), pe, m
-
-
-def saved_bytes(block: torch.nn.Module, args) -> int:
-    """Bytes the forward keeps for backward: distinct storages, parameters and inputs not counted."""
-    skip = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *(a for a in args if torch.is_tensor(a))]}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(*args)
-    return sum(seen.values())
 
 
 def by_kind(model):
