@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root, model_cache, shipped_config_dir
-from flux_trainer.config.validate import validate
+from flux_trainer.config.validate import cuda_graphs_decision, cuda_graphs_setting, validate
 from flux_trainer.launch import command as launch_command
 from flux_trainer.launch import device as launch_device
 from flux_trainer.launch import profiles
@@ -100,6 +100,8 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
         if not ok:
             raise ConfigError(why)
     resolve_memory(cfg, info)
+    cuda_graphs = cuda_graphs_decision(cfg, _gpus(cfg, info) * int(cfg.launcher.nodes), gpu=info.is_gpu)
+    cuda_graphs_asked = cuda_graphs_setting(cfg) == "true"
     absolute_paths(cfg)
     try:
         checkout = sd_checkout.locate(cfg.sd_scripts)
@@ -159,7 +161,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
             train_toml=str(train_toml),
             dataset_toml=str(dataset_toml),
             random_model_dir=str(Path(cfg.model.flux).parent) if random_preset == "tiny" else None,
-            kernels={"set": cfg.kernels.set},
+            kernels={"set": cfg.kernels.set, "cuda_graphs": cuda_graphs, "cuda_graphs_asked": cuda_graphs_asked},
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
         )

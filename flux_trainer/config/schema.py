@@ -103,6 +103,7 @@ class HardwareConfig:
 class KernelsConfig:
     set: str = "auto"  # auto | off | a comma list of flux_kernels names (attention,qk_norm_rope,...)
     attention: str = "sdpa"  # sdpa | xformers
+    cuda_graphs: str = "auto"  # auto | true | false: the compiled blocks replay from CUDA graphs (see validate)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any
 
 log = logging.getLogger("flux_trainer.runner")
 RANK_REDUCE_EVERY = 25  # steps between the max-over-ranks VRAM collective (one gather + one host copy)
+GRAPHS_CHECKED_AT = 3  # optimizer step after which the compiled blocks have been recorded as CUDA graphs
 RUN_TEXT_FILES = {"config": "config.yaml", "command": "command.txt", "environment": "env.json"}
 
 
@@ -76,6 +77,11 @@ class RunHooks:
         busiest rank (a collective, so it cannot live in step_logging, which sd-scripts calls on rank 0 only).
         The profiler window opens and closes here too, on every rank."""
         self._micro_steps += 1
+        if "cuda_graphs" in self.kernels_installed:
+            import torch
+
+            # a new step: the graphs' outputs from the last one are dead (sd-scripts set the gradients to None)
+            torch.compiler.cudagraph_mark_step_begin()
         if self.profiler is not None and accelerator is not None:
             if self.profiler.on_batch(self._micro_steps, accelerator.device):
                 self.profile_written(accelerator)
@@ -99,6 +105,8 @@ class RunHooks:
         save (which once passed for 456 syncs per step: the LoRA's tensors copied to the CPU)."""
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
+        if "cuda_graphs" in self.kernels_installed and global_step == GRAPHS_CHECKED_AT:
+            self.report_cudagraph_skips()
         if self.metrics is None:
             return {}
         if not self._texts_written:
@@ -113,6 +121,19 @@ class RunHooks:
         if "time/step_s" in tags and (msg := self.slowdown.observe(tags["time/step_s"], global_step)):
             log.warning(msg)
         return tags
+
+    def report_cudagraph_skips(self) -> None:
+        """By now every block has been recorded (the first call of a compiled graph runs it plain, the second
+        records it): say whether some run without CUDA graphs, and where to read why."""
+        skips = cudagraph_skips()
+        if skips:
+            log.warning(
+                "cuda graphs: %d compiled graph(s) run without them (inductor skipped them; TORCH_LOGS=cudagraphs "
+                "says why): those blocks still launch kernel by kernel",
+                skips,
+            )
+        else:
+            log.info("cuda graphs: every compiled block replays from CUDA graphs")
 
     def train_finished(self) -> None:
         """sd-scripts' train() returned or raised: close a profile window the run ended inside. Runs in a `finally`,
@@ -201,9 +222,29 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
 
     selection = registry.select(kernels.get("set", "auto"), device)
     options = {"attention": {"cache_path": cache_root() / "kernels" / "attention_probe.json"}}
+    graphs = bool(kernels.get("cuda_graphs")) and "compile_blocks" in selection.installed
+    if kernels.get("cuda_graphs") and not graphs:
+        why = f"compile_blocks is not installed here ({selection.skipped.get('compile_blocks', 'not selected')})"
+        if kernels.get("cuda_graphs_asked"):
+            raise patch.KernelError(f"kernels.cuda_graphs=true replays the compiled blocks, but {why}")
+        log.info("cuda graphs skipped: %s", why)
+    if graphs:
+        options["compile_blocks"] = {"mode": CUDA_GRAPHS_MODE}
     installed = patch.apply_kernels(unet, selection, options=options)
+    if graphs and "compile_blocks" in installed:
+        installed.append("cuda_graphs")
     log.info("kernels installed: %s", ", ".join(installed) or "none")
     return installed
+
+
+CUDA_GRAPHS_MODE = "reduce-overhead"  # torch.compile's mode for CUDA graphs (cudagraph trees)
+
+
+def cudagraph_skips() -> int:
+    """How many compiled graphs inductor ran without CUDA graphs (it logs why under TORCH_LOGS=cudagraphs)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def make_step_metrics(args: Any, accelerator: Any, options: dict[str, Any]) -> Any:

@@ -1,0 +1,114 @@
+"""kernels.cuda_graphs: where the compiled blocks replay from CUDA graphs (auto / true / false), what stops them,
+and what the runner does with the decision (compile mode, a step mark per step, a report of skipped graphs)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from flux_trainer.config import ConfigError
+from flux_trainer.config.validate import cuda_graphs_decision
+from flux_trainer.sdscripts import hooks as hooks_mod
+
+
+@pytest.mark.parametrize(
+    ("overrides", "processes", "gpu", "want"),
+    [
+        (["memory=vram80"], 1, True, True),  # no checkpointing: memory is not traded for speed
+        (["memory=vram48"], 1, True, False),  # checkpointing tiers keep their memory (graphs add ~1.5 GiB)
+        (["memory=vram24"], 1, True, False),
+        (["memory=vram80", "kernels=off"], 1, True, False),
+        (["memory=vram80", "kernels=fused"], 1, True, False),  # no compile_blocks in that set
+        (["memory=vram80", "kernels=compile"], 1, True, True),
+        (["memory=vram80"], 2, True, False),  # multi-GPU: not measured yet
+        (["memory=vram80"], 1, False, False),  # a CPU run
+        (["memory=vram80", "train.gradient_accumulation_steps=2"], 1, True, False),
+        (["memory=vram48", "kernels.cuda_graphs=true"], 1, True, True),
+        (["memory=vram80", "kernels.cuda_graphs=false"], 1, True, False),
+    ],
+)
+def test_decision(compose, overrides, processes, gpu, want):
+    assert cuda_graphs_decision(compose("+dataset=mychar", *overrides), processes, gpu=gpu) is want
+
+
+@pytest.mark.parametrize(
+    ("overrides", "processes", "words"),
+    [
+        (["memory=vram16"], 1, "blocks_to_swap"),
+        (["train.gradient_accumulation_steps=4"], 1, "gradient_accumulation_steps"),
+        (["kernels=off"], 1, "kernels=off"),
+        ([], 2, "2 processes"),
+    ],
+)
+def test_asking_where_graphs_cannot_run_is_an_error_naming_why(compose, overrides, processes, words):
+    cfg = compose("+dataset=mychar", "kernels.cuda_graphs=true", *overrides)
+    with pytest.raises(ConfigError, match="kernels.cuda_graphs=true") as e:
+        cuda_graphs_decision(cfg, processes)
+    assert words in str(e.value)
+
+
+def test_a_setting_that_is_not_auto_true_or_false_is_refused(compose):
+    with pytest.raises(ConfigError, match="choose auto, true or false"):
+        cuda_graphs_decision(compose("+dataset=mychar", "kernels.cuda_graphs=sometimes"), 1)
+
+
+def fake_kernels(monkeypatch, installed, skipped=None):
+    """registry.select / patch.apply_kernels stand-ins: record the options compile_blocks gets."""
+    from flux_kernels import patch, registry
+
+    seen = {}
+
+    def apply(unet, selection, options):
+        seen.update(options)
+        return list(selection.installed)
+
+    monkeypatch.setattr(registry, "select", lambda *a, **k: SimpleNamespace(installed=installed, skipped=skipped or {}))
+    monkeypatch.setattr(patch, "apply_kernels", apply)
+    return seen
+
+
+def test_graphs_compile_the_blocks_in_reduce_overhead_mode(monkeypatch):
+    seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
+    got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True}, "cuda")
+    assert got == ["attention", "compile_blocks", "cuda_graphs"]
+    assert seen["compile_blocks"] == {"mode": "reduce-overhead"}
+    seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
+    got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": False}, "cuda")
+    assert got == ["attention", "compile_blocks"]
+    assert "compile_blocks" not in seen
+
+
+def test_without_compiled_blocks_graphs_are_skipped_in_auto_and_an_error_when_asked(monkeypatch, caplog):
+    from flux_kernels.patch import KernelError
+
+    fake_kernels(monkeypatch, ("lora_grad_norms",), {"compile_blocks": "triton is not installed"})
+    with caplog.at_level(logging.INFO, logger="flux_trainer.runner"):
+        assert hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True}, "cuda") == ["lora_grad_norms"]
+    assert "cuda graphs skipped: compile_blocks is not installed here (triton is not installed)" in caplog.text
+    with pytest.raises(KernelError, match="triton is not installed"):
+        hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True, "cuda_graphs_asked": True}, "cuda")
+
+
+def test_every_step_starts_a_new_graph_generation_and_skips_are_reported(tmp_path, monkeypatch, caplog):
+    import torch
+    from torch._dynamo.utils import counters
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setitem(counters["inductor"], "cudagraph_skips", 0)
+    caplog.set_level(logging.INFO, logger="flux_trainer.runner")
+    h = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={}), tmp_path)
+    h.step_start()
+    assert marks == []  # no graphs installed: nothing marked
+    h.kernels_installed = ["compile_blocks", "cuda_graphs"]
+    for step in (1, 2, 3):
+        h.step_start()
+        h.step_end(None, {}, step)
+    assert len(marks) == 3
+    assert "every compiled block replays from CUDA graphs" in caplog.text
+    monkeypatch.setitem(counters["inductor"], "cudagraph_skips", 2)
+    caplog.clear()
+    h.step_end(None, {}, hooks_mod.GRAPHS_CHECKED_AT)
+    assert "2 compiled graph(s) run without them" in caplog.text
