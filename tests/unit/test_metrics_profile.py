@@ -267,3 +267,15 @@ def test_a_failing_profile_is_logged_not_raised_into_training(tmp_path, monkeypa
         assert prof.on_batch(2, torch.device("cpu")) is False
     assert "profile not written: UnicodeDecodeError" in caplog.text
     assert warnings.showwarning is shown_before and prof._prof is None
+
+
+def test_matmul_rates_say_when_graph_replays_hide_most_matmuls():
+    """Kernels replayed from CUDA graphs belong to no op, so the large/small split sees only a few: the summary must
+    say what it covers instead of printing a rate for 2 matmuls as if it were the model's."""
+    ks = [Kernel("nvjet_gemm", 0, 6000), Kernel("triton_poi_x", 6000, 2000)]
+    s = summarize(ks, wall_s=0.010, steps=1)
+    s["matmuls"] = {"large": {"calls_per_step": 2, "ms_per_step": 0.5, "tflop_per_step": 0.1, "tflops": 200.0}}
+    assert "the rest were replayed from CUDA graphs" in format_summary(s)
+    assert "cover 0.5 of the 6.0 ms/step" in format_summary(s)
+    s["matmuls"]["large"]["ms_per_step"] = 5.9  # op by op: the rates cover the matmul time
+    assert "CUDA graphs" not in format_summary(s)
