@@ -11,6 +11,8 @@ torch.compile (what `compile_blocks` would make of it; the number to beat) and t
         a training step, where the CPU runs ahead of a GPU busy with matmuls. Speedups are computed from this.
 GB/s is the op's minimum traffic (bytes it must read and write, forward and backward) over the GPU time, the
 same byte count for every column so the columns compare (an H200 streams ~4 TB/s).
+With --l2, one compiled double and single block without and with an L2 persistence window (flux_kernels.l2) over
+the input activation (hit ratio 1 and 0.5) or a weight: does pinning them in L2 pay (GPU time against none)?
 With --blocks, one double and one single block at full size in four configurations (sd-scripts as is, patched
 with the kernels, compiled, compiled + kernels), installed as in training (verified on tiny inputs first): wall
 and GPU time, the bytes kept for backward and the peak memory of one forward+backward.
@@ -314,9 +316,9 @@ def bench_lora_norms(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict
 BLOCK_CONFIGS = ("sd_scripts", "kernels", "compiled", "compiled_kernels")
 
 
-def bench_blocks(dev, dtype, s, warmup, reps) -> list[dict]:
-    """Whole sd-scripts blocks (random weights, frozen, inputs need grad) in four configurations, the kernels
-    installed as training installs them (apply_kernels verifies them on tiny inputs first)."""
+def random_blocks(dev, dtype, s) -> tuple[dict, dict]:
+    """One sd-scripts double and single block (random frozen weights, on the CPU until used) and their inputs on
+    `dev` (activations need grad)."""
     from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
 
     fm = import_sd_scripts(locate().path).flux_models
@@ -335,12 +337,21 @@ def bench_blocks(dev, dtype, s, warmup, reps) -> list[dict]:
         "double": (rnd(B, li, C), rnd(B, lt, C), rnd(B, C), pe),
         "single": (rnd(B, lt + li, C), rnd(B, C), pe),
     }
+    for block in blocks.values():
+        block.requires_grad_(False)
+        for p in block.parameters():
+            p.data = (1 + 0.1 * torch.randn_like(p)) if p.dim() == 1 and p.shape[0] == D else 0.02 * torch.randn_like(p)
+    return blocks, inputs
+
+
+def bench_blocks(dev, dtype, s, warmup, reps) -> list[dict]:
+    """Whole sd-scripts blocks (random weights, frozen, inputs need grad) in four configurations, the kernels
+    installed as training installs them (apply_kernels verifies them on tiny inputs first)."""
+    blocks, inputs = random_blocks(dev, dtype, s)
     kernels = unchecked(list(BLOCK_KERNELS))
     rows = []
     for kind, block in blocks.items():
-        block.to(dev, dtype).requires_grad_(False)
-        for p in block.parameters():
-            p.data = (1 + 0.1 * torch.randn_like(p)) if p.dim() == 1 and p.shape[0] == D else 0.02 * torch.randn_like(p)
+        block.to(dev, dtype)
         for label in BLOCK_CONFIGS:
             row = {"name": f"{kind}/{label}", "tokens": inputs[kind][0].shape[1]}
             patch.remove_kernels(block)
@@ -360,6 +371,47 @@ def bench_blocks(dev, dtype, s, warmup, reps) -> list[dict]:
         patch.remove_kernels(block)
         torch._dynamo.reset()
         block.to("cpu")
+    return rows
+
+
+L2_WINDOWS = {  # what an L2 persistence window covers in a compiled block's forward+backward, and its hit ratio
+    "double": [("input", "img", 1.0), ("input", "img", 0.5), ("qkv weight", "img_attn.qkv.weight", 1.0),
+               ("mlp weight", "img_mlp.0.weight", 1.0)],
+    "single": [("input", "x", 1.0), ("input", "x", 0.5), ("linear1 weight", "linear1.weight", 1.0)],
+}  # fmt: skip
+
+
+def bench_l2(dev, dtype, s, warmup, reps) -> list[dict]:
+    """A compiled double and single block, forward+backward, without and with an L2 persistence window
+    (flux_kernels.l2) over its input activation or one of its weights: GPU time, and the ratio to no window."""
+    from flux_kernels import l2
+
+    info = l2.l2_info(dev)
+    blocks, inputs = random_blocks(dev, dtype, s)
+    rows = []
+    for kind, block in blocks.items():
+        block.to(dev, dtype)
+        torch._dynamo.reset()
+        block.compile()
+        args = inputs[kind]
+        run = fwd_bwd(block, args)
+        base = {"name": f"{kind}/none", "gpu_ms": gpu_ms(run, dev, reps), "ms": median_ms(run, dev, warmup, reps)}
+        rows.append(base)
+        named = {"img": args[0], "x": args[0], **dict(block.named_parameters())}
+        for label, what, ratio in L2_WINDOWS[kind]:
+            row = {"name": f"{kind}/{label} x{ratio}", "l2_mib": info.l2_bytes / 2**20}
+            try:
+                with l2.persisting_window(named[what].detach(), ratio) as covered:
+                    row["window_mib"] = covered / 2**20
+                    row["gpu_ms"] = gpu_ms(run, dev, reps)
+                    row["ms"] = median_ms(run, dev, warmup, reps)
+                if row["gpu_ms"] and base["gpu_ms"]:
+                    row["vs_none"] = row["gpu_ms"] / base["gpu_ms"]
+            except Exception as e:  # noqa: BLE001 - report the failure in the table, keep measuring
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rows.append(row)
+        block.to("cpu")
+        torch._dynamo.reset()
     return rows
 
 
@@ -392,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", action="store_true", help="also time whole sd-scripts blocks (needs a checkout)")
     ap.add_argument("--fp8", action="store_true", help="also time fp8 frozen matmuls at the FLUX linear shapes")
     ap.add_argument("--lora-norms", action="store_true", help="also time the per-step LoRA gradient row norms")
+    ap.add_argument("--l2", action="store_true", help="also time compiled blocks with an L2 persistence window")
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke test of this script)")
     ns = ap.parse_args(argv)
 
@@ -466,6 +519,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - no checkout: say so, keep the op results
             result["blocks"] = {"skipped": f"{type(e).__name__}: {e}"}
             print(f"\nblocks skipped: {e}")
+    if ns.l2:
+        if dev.type != "cuda":
+            result["l2"] = {"skipped": "L2 persistence windows need a CUDA device"}
+            print("\nl2 skipped: L2 persistence windows need a CUDA device")
+        else:
+            result["l2"] = bench_l2(dev, dtype, s, ns.warmup, ns.reps)
+            print_table("compiled blocks, forward+backward, with an L2 persistence window (vs_none: GPU time / none)",
+                        result["l2"], ["l2_mib", "window_mib", "ms", "gpu_ms", "vs_none"])  # fmt: skip
     if ns.out:
         ns.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"\nwrote {ns.out}", file=sys.stderr)

@@ -319,3 +319,20 @@ def test_fp8_compiled_blocks_keep_no_more_than_the_compiled_upcast_path(dev, fm,
     finally:
         patch.remove_kernels(model)
         torch._dynamo.reset()
+
+
+def test_l2_persisting_window_is_set_inside_and_removed_after(dev):
+    from flux_kernels import l2
+
+    info = l2.l2_info(dev)
+    assert info.l2_bytes > 0 and 0 <= info.max_persisting_bytes <= info.l2_bytes and info.max_window_bytes > 0
+    if info.max_persisting_bytes == 0:
+        pytest.skip(f"{torch.cuda.get_device_name(dev)} allows no L2 persistence")
+    x = torch.randn(4 << 20, device=dev)  # 16 MiB
+    stream = torch.cuda.current_stream(dev)
+    with l2.persisting_window(x, 0.5) as covered:
+        w = l2.stream_window(stream)
+        assert covered == l2.window_bytes(x.numel() * 4, info) > 0
+        assert (w.base_ptr, w.num_bytes, w.hitProp) == (x.data_ptr(), covered, l2.ACCESS_PERSISTING)
+        assert w.hitRatio == pytest.approx(0.5)
+    assert l2.stream_window(stream).num_bytes == 0

@@ -70,3 +70,39 @@ def test_tiny_cpu_lora_norms_section(bench, tmp_path):
     assert row["name"] == "40x72" and total["modules"] == 3 and total["speedup"] > 0
     assert row["gram_max_rel_err"] < 1e-5 and row["sd_scripts_max_rel_err"] < 5e-2  # CPU autocast: bf16
     assert all(total[f"{label}_wall_ms"] > 0 for label in ("sd_scripts", "gram", "batched"))
+
+
+def test_l2_section_says_it_needs_cuda(bench, tmp_path, capsys):
+    assert tiny_cpu_section(bench, tmp_path, "--l2") == {"skipped": "L2 persistence windows need a CUDA device"}
+    assert "l2 skipped" in capsys.readouterr().out
+
+
+def test_l2_rows_on_cpu_with_the_runtime_calls_stood_in(bench, fm, monkeypatch):
+    """bench_l2's own logic (blocks, the windows it asks for, the ratio to none) at tiny shapes: the CUDA runtime
+    calls and compilation stood in, every window row must name what it covered and compare with no window."""
+    from contextlib import contextmanager
+
+    from flux_kernels import l2
+
+    asked = []
+
+    @contextmanager
+    def window(tensor, ratio):
+        asked.append((tuple(tensor.shape), ratio))
+        yield tensor.numel() * tensor.element_size()
+
+    monkeypatch.setattr(l2, "l2_info", lambda dev: l2.L2Info(60 << 20, 45 << 20, 128 << 20))
+    monkeypatch.setattr(l2, "persisting_window", window)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: None)
+    monkeypatch.setattr(bench, "gpu_ms", lambda run, dev, reps: float(run() is not None))
+    s = dict(batch=1, heads=2, head_dim=128, txt=3, img=5, hidden=256)
+    rows = bench.bench_l2(torch.device("cpu"), torch.float32, s, warmup=0, reps=1)
+    assert [r["name"] for r in rows] == [
+        "double/none", "double/input x1.0", "double/input x0.5", "double/qkv weight x1.0", "double/mlp weight x1.0",
+        "single/none", "single/input x1.0", "single/input x0.5", "single/linear1 weight x1.0",
+    ]  # fmt: skip
+    assert asked == [((1, 5, 256), 1.0), ((1, 5, 256), 0.5), ((768, 256), 1.0), ((1024, 256), 1.0),
+                     ((1, 8, 256), 1.0), ((1, 8, 256), 0.5), ((1792, 256), 1.0)]  # fmt: skip
+    for r in rows:
+        assert "error" not in r, r
+        assert r["ms"] > 0 and (r["name"].endswith("none") or (r["vs_none"] == 1.0 and r["window_mib"] > 0))
