@@ -32,6 +32,7 @@ class RunHooks:
         self._micro_steps = 0
         self._ranks_peak: dict[str, float] = {}
         self._max_steps = 0
+        self._optimizer_kernels: list[str] = []
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -51,8 +52,13 @@ class RunHooks:
             )
             self._reseeded = True
 
+    def optimizer_created(self, optimizer: Any) -> None:
+        """sd-scripts just built the optimizer (before its LR scheduler wraps the step): optimizer kernels go in."""
+        self._optimizer_kernels = install_optimizer_kernels(optimizer, self.spec.kernels)
+
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
+        self.kernels_installed += self._optimizer_kernels
         self._accelerator = accelerator
         self._max_steps = int(getattr(args, "max_train_steps", 0) or 0)  # final by now (sd-scripts sets it earlier)
         if self.spec.metrics.get("profile_at"):
@@ -234,6 +240,31 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
     if graphs and "compile_blocks" in installed:
         installed.append("cuda_graphs")
     log.info("kernels installed: %s", ", ".join(installed) or "none")
+    return installed
+
+
+def install_optimizer_kernels(optimizer: Any, kernels: dict[str, Any]) -> list[str]:
+    """The kernels whose target is sd-scripts' optimizer (prodigy_step), probed on this process's device. One
+    that is named but cannot run (another optimizer, a failed probe) is an error; under auto, a log line."""
+    if kernels.get("set", "off") == "off":
+        return []
+    import torch
+
+    from flux_kernels import patch, registry
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    selection = registry.select(kernels.get("set", "auto"), device, target="optimizer")
+    installed = []
+    for spec in selection.specs:
+        try:
+            line = spec.install(optimizer)
+        except ValueError as e:
+            if selection.explicit:
+                raise patch.KernelError(f"{e}; remove {spec.name} from kernels= or change the optimizer") from e
+            log.info("kernel %s skipped: %s", spec.name, e)
+            continue
+        log.info("flux_kernels installed %s", line)
+        installed.append(spec.name)
     return installed
 
 

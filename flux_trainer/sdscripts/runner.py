@@ -60,9 +60,20 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
             self.flux_train = hooks.RunHooks(spec, run_dir)
 
         def train(self, args):
+            # sd-scripts builds the optimizer with a module function, inside train(), and gives it to no method we
+            # could override: wrap that function for the duration of the run (restored after, logged by the hook)
+            build = mods.train_util.get_optimizer
+
+            def get_optimizer(*a, **kw):
+                name, described, optimizer = build(*a, **kw)
+                self.flux_train.optimizer_created(optimizer)
+                return name, described, optimizer
+
+            mods.train_util.get_optimizer = get_optimizer
             try:
                 return super().train(args)
             finally:
+                mods.train_util.get_optimizer = build
                 self.flux_train.train_finished()
 
         def load_target_model(self, args, weight_dtype, accelerator):

@@ -24,6 +24,13 @@ else:
     WHY = ""
 
 
+def losses(run_dir) -> list[float]:
+    """loss/current of a run, step by step, from its TensorBoard events."""
+    from flux_trainer.metrics.tensorboard import read_scalars
+
+    return [v for _, v in read_scalars(next((run_dir / "tb").rglob("events.out.tfevents.*")).parent)["loss/current"]]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     if CHECKOUT is None:
@@ -167,7 +174,6 @@ def test_resume_auto_continues_then_says_finished(trained):
     assert sorted(runs_root.iterdir()) == before  # nothing new written
 
 
-
 def test_runs_listing_reads_the_events(trained, capsys):
     from flux_trainer.cli_commands import runs_command
 
@@ -181,16 +187,36 @@ def test_runs_listing_reads_the_events(trained, capsys):
 def test_same_seed_same_losses_whether_or_not_the_run_built_the_caches(trained):
     """The first run built the latent and text-encoder caches (the VAE draws random numbers for that); a second run
     with the same seed reuses them and must still see the same LoRA init, data and noise: the same losses."""
-    from flux_trainer.metrics.tensorboard import read_scalars
 
     proc = trained.rerun("train.output_name=again", "train.save_every_n_steps=null", "sample.prompts=[]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "re-seeded (seed" in proc.stdout + proc.stderr
     again = sorted((trained.run_dir.parent.parent / "again").glob("*"))[-1]
-
-    def loss(run):
-        return [v for _, v in read_scalars(next((run / "tb").rglob("events.out.tfevents.*")).parent)["loss/current"]]
-
-    first, second = loss(trained.run_dir), loss(again)
+    first, second = losses(trained.run_dir), losses(again)
     assert len(first) == len(second) == 2
     assert second == pytest.approx(first, rel=1e-6)
+
+
+def test_prodigy_step_kernel_trains_like_prodigyopt(trained):
+    """kernels.set=prodigy_step swaps the optimizer's step for flux_kernels' one-sync version (the run above used
+    prodigyopt's own, the default optimizer): same losses, same LoRA after the same steps."""
+    from safetensors.torch import load_file
+
+    from flux_trainer.metrics.tensorboard import read_texts
+
+    proc = trained.rerun(
+        "train.output_name=fastprodigy",
+        "train.save_every_n_steps=null",
+        "sample.prompts=[]",
+        "kernels.set=prodigy_step",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = sorted((trained.run_dir.parent.parent / "fastprodigy").glob("*"))[-1]
+    events = next((run / "tb").rglob("events.out.tfevents.*")).parent
+    assert read_texts(events)["run/kernels"] == "prodigy_step"
+    assert losses(run) == pytest.approx(losses(trained.run_dir), rel=1e-5)
+    want, got = load_file(trained.run_dir / "tiny.safetensors"), load_file(run / "fastprodigy.safetensors")
+    assert want.keys() == got.keys()
+    for key, w in want.items():
+        w, g = w.float(), got[key].float()
+        assert ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() <= 1e-4, key

@@ -1,0 +1,182 @@
+"""flux_kernels.prodigy against prodigyopt itself: the same parameters, state and step sizes over several steps on
+fresh random tensors (one all-zero, like LoRA's up weights), in the settings flux-train uses and their variants;
+one host read per step instead of two per tensor; install / uninstall and the fallbacks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flux_kernels import prodigy
+
+prodigyopt = pytest.importorskip("prodigyopt", reason="prodigyopt is not installed (the reference)")
+
+SHAPES = [(16, 96), (96, 16), (7, 5), (33,)]
+OURS = dict(decouple=True, weight_decay=0.01, use_bias_correction=True, safeguard_warmup=True, d_coef=1.0)
+
+
+def make_params(seed: int = 0, dtype=torch.float32) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter((torch.randn(*s, generator=gen) * 0.1).to(dtype)) for s in SHAPES]
+    params.append(torch.nn.Parameter(torch.zeros(96, 16, dtype=dtype)))  # zero-initialised, as LoRA's up weights
+    return params
+
+
+def run(optimizer, params, steps: int, seed: int = 1) -> None:
+    """Gradients of a quadratic pull towards fixed random targets, plus noise: Prodigy's step size grows on it."""
+    gen = torch.Generator().manual_seed(seed)
+    targets = [torch.randn(p.shape, generator=torch.Generator().manual_seed(99)).to(p.dtype) for p in params]
+    for step in range(steps):
+        for i, (p, t) in enumerate(zip(params, targets, strict=True)):
+            noise = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+            p.grad = None if (i == 2 and step == 1) else (p.detach() - t) + noise  # one tensor skips a step
+        optimizer.step()
+
+
+def pair(groups_of, dtype=torch.float32, **kwargs):
+    ref_params, fast_params = make_params(dtype=dtype), make_params(dtype=dtype)
+    ref = prodigyopt.Prodigy(groups_of(ref_params), lr=1.0, **kwargs)
+    fast = prodigyopt.Prodigy(groups_of(fast_params), lr=1.0, **kwargs)
+    prodigy.install(fast)
+    return (ref, ref_params), (fast, fast_params)
+
+
+def assert_same(ref, ref_params, fast, fast_params, rel: float) -> None:
+    """Parameters and state relative to each tensor's largest value; the step-size statistics relative."""
+    for a, b in zip(ref_params, fast_params, strict=True):
+        sa, sb = ref.state[a], fast.state[b]
+        assert sa.keys() == sb.keys() and sa["step"] == sb["step"]
+        pairs = [("param", a.detach(), b.detach())] + [(k, sa[k], sb[k]) for k in sorted(set(sa) - {"step"})]
+        for key, want, got in pairs:  # s, p0, exp_avg (when beta1 > 0), exp_avg_sq
+            scale = want.abs().max().clamp_min(1e-30)
+            assert ((got - want).abs().max() / scale).item() <= rel, key
+    for ga, gb in zip(ref.param_groups, fast.param_groups, strict=True):
+        for key in ("d", "d_max", "d_hat", "d_numerator", "d_denom", "k"):
+            assert gb[key] == pytest.approx(ga[key], rel=rel), key
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        OURS,  # configs/optimizer/prodigy.yaml
+        dict(OURS, decouple=False),  # coupled weight decay: added to the gradient
+        dict(OURS, use_bias_correction=False, safeguard_warmup=False),
+        dict(OURS, betas=(0.0, 0.99)),  # no first moment
+        dict(weight_decay=0.0, d_coef=0.5, growth_rate=1.02),
+    ],
+    ids=["flux-train", "coupled-decay", "no-bias-correction", "beta1-0", "other"],
+)
+def test_matches_prodigyopt_over_steps(kwargs):
+    """In float64 the two agree to rounding (1e-13 seen over 20 steps): the same arithmetic. (In float32 the sums'
+    different order is amplified through the adapting step size: next test.)"""
+    (ref, rp), (fast, fp) = pair(lambda ps: ps, dtype=torch.float64, **kwargs)
+    for _ in range(5):
+        run(ref, rp, 4, seed=_)
+        run(fast, fp, 4, seed=_)
+        assert_same(ref, rp, fast, fp, rel=1e-10)
+    assert fast.param_groups[0]["d"] > fast.param_groups[0]["d0"]  # the step size did adapt: not a trivial match
+
+
+def test_matches_prodigyopt_in_float32():
+    (ref, rp), (fast, fp) = pair(lambda ps: ps, **OURS)
+    run(ref, rp, 12)
+    run(fast, fp, 12)
+    assert_same(ref, rp, fast, fp, rel=1e-5)
+
+
+def test_two_groups_one_frozen_at_lr_zero():
+    def groups(ps):
+        return [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.0}]
+
+    (ref, rp), (fast, fp) = pair(groups, **OURS)
+    run(ref, rp, 4)
+    run(fast, fp, 4)
+    assert_same(ref, rp, fast, fp, rel=1e-5)
+
+
+def test_one_host_read_per_step_instead_of_two_per_tensor(monkeypatch):
+    (ref, rp), (fast, fp) = pair(lambda ps: ps, **OURS)
+    run(ref, rp, 1)
+    run(fast, fp, 1)  # the first step initialises the state (one more read, for all tensors at once)
+    reads = {"item": 0, "tolist": 0}
+    for name in reads:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _name=name, _orig=original, **k):
+            reads[_name] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    run(fast, fp, 1)
+    assert reads == {"item": 0, "tolist": 1}
+    reads.update(item=0, tolist=0)
+    run(ref, rp, 1)
+    assert reads["item"] == 2 * len(rp)  # prodigyopt: a dot product and a sum read back for every tensor
+
+
+def test_install_keeps_the_class_state_and_hooks_and_uninstall_restores():
+    params = make_params()
+    opt = prodigyopt.Prodigy(params, lr=1.0, **OURS)
+    assert "one device sync per step" in prodigy.install(opt)
+    assert isinstance(opt, prodigyopt.Prodigy) and type(opt).__name__ == "FastProdigy"
+    calls = []
+    opt.register_step_post_hook(lambda *a: calls.append(1))
+    run(opt, params, 2)
+    assert calls == [1, 1]  # torch.optim's step hooks still run, once per step
+    saved = copy.deepcopy(opt.state_dict())
+    assert prodigy.uninstall(opt) and type(opt) is prodigyopt.Prodigy and not prodigy.uninstall(opt)
+    plain = prodigyopt.Prodigy(make_params(), lr=1.0, **OURS)
+    plain.load_state_dict(saved)  # a state saved with the fast step resumes with prodigyopt's own
+    assert plain.param_groups[0]["k"] == 2
+
+
+def test_other_optimizers_and_uncovered_settings():
+    with pytest.raises(ValueError, match="not prodigyopt's Prodigy"):
+        prodigy.install(torch.optim.AdamW(make_params()))
+    (ref, rp), (fast, fp) = pair(lambda ps: ps, slice_p=2, **OURS)  # slice_p: prodigyopt's own step runs
+    run(ref, rp, 3)
+    run(fast, fp, 3)
+    for a, b in zip(rp, fp, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_registry_selects_it_for_the_optimizer_only_and_its_probe_compares_with_prodigyopt():
+    from flux_kernels import registry
+
+    assert registry.select("prodigy_step,lora_grad_norms", "cpu").installed == ("lora_grad_norms",)
+    chosen = registry.select("prodigy_step,lora_grad_norms", "cpu", target="optimizer")
+    assert chosen.installed == ("prodigy_step",)
+    assert registry.select("auto", "cpu", target="optimizer").installed == ()  # opt-in until measured on a GPU
+    ok, why = prodigy.self_check(torch.device("cpu"))
+    assert ok and "matches prodigyopt" in why
+
+
+def test_the_probe_rejects_a_wrong_step(monkeypatch):
+    from flux_kernels import registry
+
+    real = prodigy.fast_step
+
+    def off_by_a_bit(self, closure=None):
+        real(self, closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.mul_(1.001)
+
+    monkeypatch.setattr(prodigy, "fast_step", off_by_a_bit)
+    result = registry.probe(registry.REGISTRY["prodigy_step"], "cpu")
+    assert not result.ok and "differs from prodigyopt" in result.reason
+
+
+def test_runner_hook_installs_it_when_named_and_refuses_another_optimizer():
+    from flux_kernels.patch import KernelError
+    from flux_trainer.sdscripts.hooks import install_optimizer_kernels
+
+    opt = prodigyopt.Prodigy(make_params(), lr=1.0, **OURS)
+    assert install_optimizer_kernels(opt, {"set": "attention,prodigy_step"}) == ["prodigy_step"]
+    assert type(opt).__name__ == "FastProdigy"
+    assert install_optimizer_kernels(prodigyopt.Prodigy(make_params(), lr=1.0), {"set": "auto"}) == []
+    with pytest.raises(KernelError, match="not prodigyopt's Prodigy; remove prodigy_step from kernels="):
+        install_optimizer_kernels(torch.optim.AdamW(make_params()), {"set": "prodigy_step"})
+    assert install_optimizer_kernels(torch.optim.AdamW(make_params()), {"set": "off"}) == []
