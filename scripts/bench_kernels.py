@@ -11,6 +11,7 @@ torch.compile (what `compile_blocks` would make of it; the number to beat) and t
         a training step, where the CPU runs ahead of a GPU busy with matmuls. Speedups are computed from this.
 GB/s is the op's minimum traffic (bytes it must read and write, forward and backward) over the GPU time, the
 same byte count for every column so the columns compare (an H200 streams ~4 TB/s).
+With --prodigy, one Prodigy optimizer step over FLUX's 608 LoRA tensors: prodigyopt's against flux_kernels'.
 With --l2, one compiled double and single block without and with an L2 persistence window (flux_kernels.l2) over
 the input activation (hit ratio 1 and 0.5) or a weight: does pinning them in L2 pay (GPU time against none)?
 With --blocks, one double and one single block at full size in four configurations (sd-scripts as is, patched
@@ -313,6 +314,45 @@ def bench_lora_norms(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict
     return [*rows, total]
 
 
+def bench_prodigy(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict]:
+    """One Prodigy optimizer step over FLUX's LoRA tensors (304 modules: 608 fp32 factors plus nothing else here),
+    prodigyopt's own step against flux_kernels.prodigy's: wall time per step (the CPU launching kernels and waiting
+    on the device is what differs), GPU time, and how far the parameters are apart after the timed steps."""
+    from prodigyopt import Prodigy
+
+    from flux_kernels import prodigy
+
+    shapes = {(40, 72): 3} if tiny else LORA_SHAPES
+    gen = torch.Generator().manual_seed(0)
+    start = []
+    for (out, inp), count in shapes.items():
+        for _ in range(count):
+            start += [torch.randn(rank, inp, generator=gen) * 0.05, torch.zeros(out, rank)]  # down, up (zero)
+    grads = [(torch.randn(t.shape, generator=gen) * 1e-3).to(dev) for t in start]
+    row = {"name": f"{len(start)} tensors", "params_m": sum(t.numel() for t in start) / 1e6}
+    finals = {}
+    for label in ("prodigyopt", "flux_kernels"):
+        params = [torch.nn.Parameter(t.to(dev)) for t in start]
+        opt = Prodigy(params, lr=1.0, weight_decay=0.01, decouple=True, use_bias_correction=True, safeguard_warmup=True)
+        if label == "flux_kernels":
+            prodigy.install(opt)
+
+        def step(params=params, opt=opt):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            opt.step()
+
+        row[f"{label}_wall_ms"] = median_ms(step, dev, warmup, reps)
+        row[f"{label}_gpu_ms"] = gpu_ms(step, dev, reps)
+        finals[label] = params
+    row["speedup_wall"] = row["prodigyopt_wall_ms"] / row["flux_kernels_wall_ms"]
+    row["max_rel_diff"] = max(
+        ((b - a).abs().max() / a.abs().max().clamp_min(1e-30)).item()
+        for a, b in zip(finals["prodigyopt"], finals["flux_kernels"], strict=True)
+    )
+    return [row]
+
+
 BLOCK_CONFIGS = ("sd_scripts", "kernels", "compiled", "compiled_kernels")
 
 
@@ -444,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", action="store_true", help="also time whole sd-scripts blocks (needs a checkout)")
     ap.add_argument("--fp8", action="store_true", help="also time fp8 frozen matmuls at the FLUX linear shapes")
     ap.add_argument("--lora-norms", action="store_true", help="also time the per-step LoRA gradient row norms")
+    ap.add_argument("--prodigy", action="store_true", help="also time one Prodigy step over FLUX's LoRA tensors")
     ap.add_argument("--l2", action="store_true", help="also time compiled blocks with an L2 persistence window")
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke test of this script)")
     ns = ap.parse_args(argv)
@@ -519,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - no checkout: say so, keep the op results
             result["blocks"] = {"skipped": f"{type(e).__name__}: {e}"}
             print(f"\nblocks skipped: {e}")
+    if ns.prodigy:
+        result["prodigy"] = bench_prodigy(dev, ns.warmup, ns.reps, ns.tiny)
+        print_table("Prodigy optimizer step over FLUX's LoRA tensors (wall: CUDA events around one step)",
+                    result["prodigy"], ["params_m", "prodigyopt_wall_ms", "flux_kernels_wall_ms", "speedup_wall",
+                                        "prodigyopt_gpu_ms", "flux_kernels_gpu_ms", "max_rel_diff"])  # fmt: skip
     if ns.l2:
         if dev.type != "cuda":
             result["l2"] = {"skipped": "L2 persistence windows need a CUDA device"}

@@ -106,3 +106,9 @@ def test_l2_rows_on_cpu_with_the_runtime_calls_stood_in(bench, fm, monkeypatch):
     for r in rows:
         assert "error" not in r, r
         assert r["ms"] > 0 and (r["name"].endswith("none") or (r["vs_none"] == 1.0 and r["window_mib"] > 0))
+
+
+def test_tiny_cpu_prodigy_section(bench, tmp_path):
+    (row,) = tiny_cpu_section(bench, tmp_path, "--prodigy")
+    assert row["name"] == "6 tensors" and row["prodigyopt_wall_ms"] > 0 and row["flux_kernels_wall_ms"] > 0
+    assert row["speedup_wall"] > 0 and row["max_rel_diff"] < 1e-4  # both stepped the same parameters alike
