@@ -17,6 +17,8 @@ prodigyopt's own step.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 
 import torch
@@ -193,7 +195,8 @@ def self_check(device: torch.device, steps: int = 6, rel: float = 1e-4) -> tuple
     runs = []
     for fast in (False, True):
         params = [torch.nn.Parameter(t.clone().to(device)) for t in start]
-        opt = Prodigy(params, lr=1.0, weight_decay=0.01, decouple=True, use_bias_correction=True)
+        with contextlib.redirect_stdout(io.StringIO()):  # prodigyopt prints its settings; keep a --json doctor clean
+            opt = Prodigy(params, lr=1.0, weight_decay=0.01, decouple=True, use_bias_correction=True)
         if fast:
             install(opt)
         noise = torch.Generator().manual_seed(1)

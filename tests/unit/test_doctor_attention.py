@@ -147,6 +147,8 @@ def test_the_real_registry_on_cpu_skips_every_gpu_kernel_with_a_reason(monkeypat
     assert set(rows) == {f"kernel: {n}" for n in fk_registry.REGISTRY if n != "attention"}
     ok = rows.pop("kernel: lora_grad_norms")  # plain PyTorch: runs, and is probed, anywhere
     assert ok.status == "pass" and "matches the reference" in ok.evidence
+    ok = rows.pop("kernel: prodigy_step")  # so is the optimizer step, against prodigyopt
+    assert ok.status == "pass" and "matches prodigyopt" in ok.evidence
     assert all(r.status == "skip" and r.evidence for r in rows.values())
 
 

@@ -97,7 +97,8 @@ def test_off_installs_nothing_and_real_registry_explicit_compile_on_cpu_raises()
 
 def test_every_registry_entry_is_frozen_and_complete():
     assert list(REGISTRY) == ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate",
-                              "fp8_matmul", "lora_grad_norms", "compile_blocks"]  # fmt: skip
+                              "fp8_matmul", "lora_grad_norms", "prodigy_step", "compile_blocks"]  # fmt: skip
+    assert [n for n, s in REGISTRY.items() if s.target != "model"] == ["prodigy_step"]  # installs into the optimizer
     # auto = the attention choice + fp8 matmuls (on an fp8 base only) + the LoRA norms (where a LoRA is applied) +
     # regional compile; the Triton ops are opt-in until they beat compile_blocks
     assert [n for n, s in REGISTRY.items() if s.in_auto] == ["attention", "fp8_matmul", "lora_grad_norms",
