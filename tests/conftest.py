@@ -11,9 +11,11 @@ from flux_trainer.config.compose import compose_run
 
 
 def make_images(folder: Path, n: int = 3, captions: bool = True, size=(96, 64)) -> Path:
+    """n flat-colour images (a list of sizes is cycled through: several aspect-ratio buckets), captioned or not."""
     folder.mkdir(parents=True, exist_ok=True)
+    sizes = size if isinstance(size, list) else [size]
     for i in range(n):
-        Image.new("RGB", size, (30 * i, 120, 200 - 20 * i)).save(folder / f"img{i}.png")
+        Image.new("RGB", sizes[i % len(sizes)], (30 * i, 120, 200 - 20 * i)).save(folder / f"img{i}.png")
         if captions:
             (folder / f"img{i}.txt").write_text(f"a test image number {i}")
     return folder

@@ -16,6 +16,7 @@ import torch
 
 from flux_trainer.config import ConfigError
 from flux_trainer.sdscripts.checkout import locate
+from tests.conftest import make_images, write_dataset
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)"),
 ]
 
-SIZES = [(256, 256), (320, 192), (192, 320)]  # three buckets at resolution 256
+SIZES = [(256, 256), (320, 192), (192, 320)]  # three buckets at resolution 256 (cycled over the images)
 STEPS = 9
 
 
@@ -42,18 +43,10 @@ def runs(tmp_path_factory):
         locate()
     except ConfigError as exc:
         pytest.skip(f"needs an sd-scripts checkout: {exc}")
-    from PIL import Image
-
     work = tmp_path_factory.mktemp("graphs")
-    images = work / "pics"
-    images.mkdir()
-    for i in range(6):
-        Image.new("RGB", SIZES[i % 3], (40 * i, 90, 160)).save(images / f"im{i}.png")
-        (images / f"im{i}.txt").write_text(f"a flat colour panel number {i}")
-    (work / "configs" / "dataset").mkdir(parents=True)
-    (work / "configs" / "dataset" / "panels.yaml").write_text(
-        f"name: panels\nimages: {images}\nresolution: 256\nrepeats: 1\nmin_bucket_reso: 128\nmax_bucket_reso: 512\n"
-    )
+    images = make_images(work / "pics", n=6, size=SIZES)
+    write_dataset(work / "configs", "panels", images, resolution=256, repeats=1, min_bucket_reso=128,
+                  max_bucket_reso=512)  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("FLUX_TRAIN_TOKENIZER_DIR", None)
     base = [
