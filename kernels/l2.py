@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,8 +64,9 @@ def _loaded_cudart_path(maps_path: str = "/proc/self/maps") -> str | None:
     return None
 
 
+@functools.cache
 def cudart() -> ctypes.CDLL:
-    """The CUDA runtime library, the one already in this process when there is one."""
+    """The CUDA runtime library, the one already in this process when there is one (loaded once)."""
     torch.cuda.init()
     path = _loaded_cudart_path() or ctypes.util.find_library("cudart")
     if path is None:

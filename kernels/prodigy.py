@@ -24,6 +24,8 @@ import math
 import torch
 from torch import Tensor
 
+from flux_kernels.reference import max_rel_err
+
 ATTR = "_flux_fast_prodigy"  # set on the subclass install() swaps in; its value is the original class
 
 
@@ -205,7 +207,7 @@ def self_check(device: torch.device, steps: int = 6, rel: float = 1e-4) -> tuple
                 p.grad = (p.detach() - t) + (torch.randn(p.shape, generator=noise) * 1e-2).to(device)
             opt.step()
         runs.append(params)
-    worst = max(((b - a).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(*runs, strict=True))
+    worst = max(max_rel_err(b, a) for a, b in zip(*runs, strict=True))
     if not worst <= rel:
         return False, f"fast_step differs from prodigyopt after {steps} steps (max rel. error {worst:.2e} > {rel:.0e})"
     return True, f"matches prodigyopt over {steps} steps (max rel. error {worst:.1e})"

@@ -95,3 +95,8 @@ def make_pe(batch: int, length: int, head_dim: int, device=None, theta: int = 10
     """A `pe` shaped like EmbedND's output, [batch, 1, length, head_dim/2, 2, 2], from random positions."""
     pos = torch.rand(batch, length, generator=generator, device="cpu") * 64
     return rope(pos, head_dim, theta).unsqueeze(1).to(device)
+
+
+def max_rel_err(got: Tensor, want: Tensor) -> float:
+    """max |got - want| / max |want|, in float32: how the fast ops are compared with their references."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()

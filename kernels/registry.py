@@ -152,10 +152,6 @@ def _run(fn: Callable, args: tuple, seed: int) -> tuple[list[torch.Tensor], list
     return [o.detach() for o in outs], [g for g in grads if g is not None]
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
-
-
 def probe(spec: KernelSpec, device=None) -> ProbeResult:
     """Run the fast op against the reference on tiny random inputs (never zero), forward and backward, in each of
     the spec's dtypes the device supports; the verdict names the worst error. Kernels without a reference/fast
@@ -178,7 +174,7 @@ def probe(spec: KernelSpec, device=None) -> ProbeResult:
             pairs += [("gradient", i, g, w) for i, (g, w) in enumerate(zip(dgot, dwant, strict=True))]
             tol = spec.tolerance if spec.tolerance is not None else TOLERANCE[dtype]
             for what, i, g, w in pairs:
-                err = _rel_err(g, w)
+                err = reference.max_rel_err(g, w)
                 worst = max(worst, err) if err == err else float("nan")
                 if not err <= tol:
                     msg = f"{str(dtype).removeprefix('torch.')} {what} {i}: max rel. error {err:.2e}"
@@ -273,7 +269,7 @@ def compile_check(info: DeviceInfo) -> tuple[bool, str]:
     w = (torch.randn(64, generator=gen) + 1.0).to(dev)
     compiled = torch.compile(f)
     (want, dwant), (got, dgot) = _run(f, (x, w), seed=1), _run(compiled, (x, w), seed=1)
-    err = max(_rel_err(g, w_) for g, w_ in zip(got + dgot, want + dwant, strict=True))
+    err = max(reference.max_rel_err(g, w_) for g, w_ in zip(got + dgot, want + dwant, strict=True))
     if not err <= 1e-4:
         return False, f"torch.compile result differs from eager (max rel. error {err:.2e})"
     return True, "torch.compile (inductor) works here"
