@@ -16,6 +16,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import threading
@@ -206,7 +207,8 @@ def cases(presets: list[str], kernels: list[str], resolutions: list[int]) -> lis
     out = []
     for preset, kernel, res in itertools.product(presets, kernels, resolutions):
         extra = preset.split("+") if preset else []
-        name = "_".join([*(e.split("=")[-1] for e in extra), f"k-{kernel}", str(res)])
+        words = [*(e.split("=")[-1] for e in extra), f"k-{kernel}", str(res)]
+        name = "_".join(re.sub(r"[^\w.-]+", "-", w.strip("'\"")) for w in words)  # a file name: no quotes or commas
         out.append((name, [*extra, f"kernels={kernel}"], res))
     return out
 
