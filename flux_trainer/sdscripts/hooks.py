@@ -9,6 +9,7 @@ from typing import Any
 
 log = logging.getLogger("flux_trainer.runner")
 RANK_REDUCE_EVERY = 25  # steps between the max-over-ranks VRAM collective (one gather + one host copy)
+COMPILE_CHECKED_AT = 1  # optimizer step after which the compiled blocks' forward and backward exist
 GRAPHS_CHECKED_AT = 3  # optimizer step after which the compiled blocks have been recorded as CUDA graphs
 RUN_TEXT_FILES = {"config": "config.yaml", "command": "command.txt", "environment": "env.json"}
 
@@ -111,6 +112,8 @@ class RunHooks:
         save (which once passed for 456 syncs per step: the LoRA's tensors copied to the CPU)."""
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
+        if "compile_blocks" in self.kernels_installed and global_step == COMPILE_CHECKED_AT:
+            report_compile_cache()
         if "cuda_graphs" in self.kernels_installed and global_step == GRAPHS_CHECKED_AT:
             self.report_cudagraph_skips()
         if self.metrics is None:
@@ -269,6 +272,38 @@ def install_optimizer_kernels(optimizer: Any, kernels: dict[str, Any]) -> list[s
 
 
 CUDA_GRAPHS_MODE = "reduce-overhead"  # torch.compile's mode for CUDA graphs (cudagraph trees)
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """torch.compile's cache outcomes in this process so far: inductor's FX graph cache (the generated kernels of
+    a graph) and AOTAutograd's (a graph's forward and backward), each hit / miss / bypass."""
+    from torch._dynamo.utils import counters
+
+    return {
+        f"{name}_{outcome}": int(counters[group][f"{prefix}{outcome}"])
+        for name, group, prefix in (
+            ("inductor", "inductor", "fxgraph_cache_"),
+            ("autograd", "aot_autograd", "autograd_cache_"),
+        )
+        for outcome in ("hit", "miss", "bypass")
+    }
+
+
+def report_compile_cache() -> None:
+    """After the first step: how much of the compiling came from the cache (a second run of the same shapes
+    should be all hits), and where to read why when some of it cannot be cached."""
+    c = compile_cache_counts()
+    line = ", ".join(
+        f"{n} {c[n + '_hit']} hit / {c[n + '_miss']} miss / {c[n + '_bypass']} bypass" for n in ("inductor", "autograd")
+    )
+    if c["inductor_bypass"] or c["autograd_bypass"]:
+        log.warning(
+            "torch.compile cache: %s; a bypassed graph is compiled anew in every run (TORCH_LOGS=aot,inductor "
+            "says why)",
+            line,
+        )
+    else:
+        log.info("torch.compile cache: %s", line)
 
 
 def cudagraph_skips() -> int:

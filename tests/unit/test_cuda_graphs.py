@@ -112,3 +112,30 @@ def test_every_step_starts_a_new_graph_generation_and_skips_are_reported(tmp_pat
     caplog.clear()
     h.step_end(None, {}, hooks_mod.GRAPHS_CHECKED_AT)
     assert "2 compiled graph(s) run without them" in caplog.text
+
+
+def test_compile_cache_outcomes_are_reported_after_the_first_step(tmp_path, monkeypatch, caplog):
+    from torch._dynamo.utils import counters
+
+    for group, key, n in (
+        ("inductor", "fxgraph_cache_hit", 5),
+        ("inductor", "fxgraph_cache_miss", 2),
+        ("inductor", "fxgraph_cache_bypass", 0),
+        ("aot_autograd", "autograd_cache_hit", 3),
+        ("aot_autograd", "autograd_cache_miss", 1),
+        ("aot_autograd", "autograd_cache_bypass", 0),
+    ):
+        monkeypatch.setitem(counters[group], key, n)
+    caplog.set_level(logging.INFO, logger="flux_trainer.runner")
+    h = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={"enabled": False}), tmp_path)
+    h.kernels_installed = ["compile_blocks"]
+    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT + 1)
+    assert "torch.compile cache" not in caplog.text  # only once, after the first step
+    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT)
+    assert "torch.compile cache: inductor 5 hit / 2 miss / 0 bypass, autograd 3 hit / 1 miss / 0 bypass" in caplog.text
+    assert "WARNING" not in caplog.text
+    monkeypatch.setitem(counters["aot_autograd"], "autograd_cache_bypass", 4)
+    caplog.clear()
+    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT)
+    assert "autograd 3 hit / 1 miss / 4 bypass" in caplog.text and "TORCH_LOGS=aot,inductor" in caplog.text
+    assert caplog.records[-1].levelname == "WARNING"
