@@ -340,15 +340,15 @@ def apply_kernels(
     user named, KernelError is raised, while for `auto` one warning says so and training goes on without them.
     `compile_blocks` is installed last, so what it compiles includes the other patches."""
     options = {name: dict(o) for name, o in (options or {}).items()}
-    explicit = getattr(selection, "explicit", True)
+    insists = getattr(selection, "insists", None) or (lambda name: getattr(selection, "explicit", True))
     if getattr(selection, "device", None) is not None:  # probe attention where training runs, not where the model is
         for name in ("attention", "fp8_matmul"):
             options.setdefault(name, {}).setdefault("device", selection.device.torch_device)
-    options.setdefault("fp8_matmul", {}).setdefault("quantize", explicit)  # named: quantise a bf16 base too
+    options.setdefault("fp8_matmul", {}).setdefault("quantize", insists("fp8_matmul"))  # named: a bf16 base too
     specs = []
     for spec in selection.specs:
         auto_if = getattr(spec, "auto_if", None)
-        ok, why = auto_if(flux_model) if (auto_if is not None and not explicit) else (True, "")
+        ok, why = auto_if(flux_model) if (auto_if is not None and not insists(spec.name)) else (True, "")
         if ok:
             specs.append(spec)
         else:
@@ -362,7 +362,7 @@ def apply_kernels(
         except ValueError as e:
             remove_kernels(flux_model)
             names = ", ".join(s.name for s in block_specs)
-            if explicit:
+            if any(insists(s.name) for s in block_specs):
                 raise KernelError(f"kernels {names} failed verification: {e}; remove them from kernels=") from e
             log.warning("flux_kernels: %s not installed: %s", names, e)
             specs = [s for s in specs if s not in block_specs]

@@ -101,7 +101,7 @@ class HardwareConfig:
 
 @dataclass
 class KernelsConfig:
-    set: str = "auto"  # auto | off | a comma list of flux_kernels names (attention,qk_norm_rope,...)
+    set: str = "auto"  # auto | off | a comma list of flux_kernels names (attention,qk_norm_rope,...) | auto,name,-name
     attention: str = "sdpa"  # sdpa | xformers
     cuda_graphs: str = "auto"  # auto | true | false: the compiled blocks replay from CUDA graphs (see validate)
 

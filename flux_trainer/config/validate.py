@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from flux_kernels.request import parse_request
 from flux_trainer.config.errors import ConfigError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -149,6 +150,8 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
             f"Blackwell); this GPU family is {effective_family}: use precision=bf16 and a larger memory tier"
         )
 
+    if problem := kernel_set_problem(cfg.kernels.set):
+        problems.append(problem)
     if cfg.kernels.attention not in ("sdpa", "xformers"):
         problems.append(f"kernels.attention={cfg.kernels.attention}: choose sdpa or xformers")
 
@@ -195,6 +198,17 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
 CUDA_GRAPHS_SETTINGS = ("auto", "true", "false")
 
 
+def kernel_set_problem(kernel_set: str) -> str | None:
+    """What is wrong with kernels.set (None: nothing), before the model loads: unknown names, `-name` without auto."""
+    from flux_kernels.registry import REGISTRY
+
+    try:
+        parse_request(str(kernel_set), REGISTRY)
+    except ValueError as e:
+        return f"kernels.set={kernel_set}: {e}"
+    return None
+
+
 def cuda_graphs_setting(cfg: DictConfig) -> str:
     """kernels.cuda_graphs as one of CUDA_GRAPHS_SETTINGS (Hydra reads `true` as a bool)."""
     return str(cfg.kernels.get("cuda_graphs", "auto")).strip().lower()
@@ -204,11 +218,13 @@ def cuda_graph_blockers(cfg: DictConfig, processes: int, gpu: bool = True) -> li
     """Why CUDA graphs cannot replay this run's compiled blocks (empty: they can). A graph fixes every address it
     reads and writes: it needs the compiled blocks, weights that stay put and one backward per optimizer step."""
     blockers = [] if gpu else ["no CUDA GPU"]
-    kernel_set = str(cfg.kernels.set).strip().lower()
-    if kernel_set in ("off", "none", ""):
-        blockers.append("kernels=off compiles no blocks to replay")
-    elif kernel_set != "auto" and "compile_blocks" not in kernel_set:
-        blockers.append(f"kernels.set={cfg.kernels.set} has no compile_blocks to replay")
+    try:
+        request = parse_request(str(cfg.kernels.set))
+    except ValueError:  # validate() reports it; here it only means nothing to replay
+        request = parse_request("off")
+    if not request.wants("compile_blocks", in_auto=True):
+        what = f"kernels.set={cfg.kernels.set}" if request.auto or request.named else "kernels=off"
+        blockers.append(f"{what} compiles no blocks to replay")
     if cfg.memory.blocks_to_swap or cfg.memory.cpu_offload_checkpointing:
         blockers.append(
             "memory.blocks_to_swap / memory.cpu_offload_checkpointing move what the graphs read between CPU and GPU"

@@ -262,9 +262,9 @@ def install_optimizer_kernels(optimizer: Any, kernels: dict[str, Any]) -> list[s
         try:
             line = spec.install(optimizer)
         except ValueError as e:
-            if selection.explicit:
+            if selection.insists(spec.name):
                 raise patch.KernelError(f"{e}; remove {spec.name} from kernels= or change the optimizer") from e
-            log.info("kernel %s skipped: %s", spec.name, e)
+            log.info("kernel %s skipped: %s", spec.name, str(e).removeprefix(f"{spec.name}: "))
             continue
         log.info("flux_kernels installed %s", line)
         installed.append(spec.name)

@@ -69,7 +69,7 @@ def test_cases_expand_the_product():
     name, overrides, res = got[0]
     assert overrides == ["memory=vram24", "precision=fp8_base", "kernels=off"] and res == 512
     assert name == "vram24_fp8_base_k-off_512"
-    (name, overrides, _), = cases(["optimizer=prodigy+kernels.set='compile_blocks,prodigy_step'"], ["auto"], [1024])
+    ((name, overrides, _),) = cases(["optimizer=prodigy+kernels.set='compile_blocks,prodigy_step'"], ["auto"], [1024])
     assert overrides[-2:] == ["kernels.set='compile_blocks,prodigy_step'", "kernels=auto"]
     assert name == "prodigy_compile_blocks-prodigy_step_k-auto_1024"  # a case name is a folder and file name
 

@@ -22,6 +22,8 @@ from flux_trainer.sdscripts import hooks as hooks_mod
         (["memory=vram80", "kernels=off"], 1, True, False),
         (["memory=vram80", "kernels=fused"], 1, True, False),  # no compile_blocks in that set
         (["memory=vram80", "kernels=compile"], 1, True, True),
+        (["memory=vram80", "kernels.set='auto,qk_norm_rope'"], 1, True, True),  # auto plus one
+        (["memory=vram80", "kernels.set='auto,-compile_blocks'"], 1, True, False),  # auto without the compile
         (["memory=vram80"], 2, True, False),  # multi-GPU: not measured yet
         (["memory=vram80"], 1, False, False),  # a CPU run
         (["memory=vram80", "train.gradient_accumulation_steps=2"], 1, True, False),
@@ -39,6 +41,7 @@ def test_decision(compose, overrides, processes, gpu, want):
         (["memory=vram16"], 1, "blocks_to_swap"),
         (["train.gradient_accumulation_steps=4"], 1, "gradient_accumulation_steps"),
         (["kernels=off"], 1, "kernels=off"),
+        (["kernels.set='auto,-compile_blocks'"], 1, "kernels.set=auto,-compile_blocks compiles no blocks"),
         ([], 2, "2 processes"),
     ],
 )

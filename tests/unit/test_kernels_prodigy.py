@@ -5,6 +5,7 @@ one host read per step instead of two per tensor; install / uninstall and the fa
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -148,7 +149,8 @@ def test_registry_selects_it_for_the_optimizer_only_and_its_probe_compares_with_
     assert registry.select("prodigy_step,lora_grad_norms", "cpu").installed == ("lora_grad_norms",)
     chosen = registry.select("prodigy_step,lora_grad_norms", "cpu", target="optimizer")
     assert chosen.installed == ("prodigy_step",)
-    assert registry.select("auto", "cpu", target="optimizer").installed == ()  # opt-in until measured on a GPU
+    assert registry.select("auto", "cpu", target="optimizer").installed == ("prodigy_step",)
+    assert registry.select("off", "cpu", target="optimizer").installed == ()
     ok, why = prodigy.self_check(torch.device("cpu"))
     assert ok and "matches prodigyopt" in why
 
@@ -169,14 +171,21 @@ def test_the_probe_rejects_a_wrong_step(monkeypatch):
     assert not result.ok and "differs from prodigyopt" in result.reason
 
 
-def test_runner_hook_installs_it_when_named_and_refuses_another_optimizer():
+def test_runner_hook_installs_it_and_refuses_another_optimizer_only_when_named(caplog):
     from flux_kernels.patch import KernelError
     from flux_trainer.sdscripts.hooks import install_optimizer_kernels
 
     opt = prodigyopt.Prodigy(make_params(), lr=1.0, **OURS)
     assert install_optimizer_kernels(opt, {"set": "attention,prodigy_step"}) == ["prodigy_step"]
     assert type(opt).__name__ == "FastProdigy"
-    assert install_optimizer_kernels(prodigyopt.Prodigy(make_params(), lr=1.0), {"set": "auto"}) == []
+    auto = prodigyopt.Prodigy(make_params(), lr=1.0)
+    assert install_optimizer_kernels(auto, {"set": "auto"}) == ["prodigy_step"]  # the default optimizer, by default
+    assert type(auto).__name__ == "FastProdigy"
+    with caplog.at_level(logging.INFO, logger="flux_trainer.runner"):  # auto with another optimizer: a log line
+        assert install_optimizer_kernels(torch.optim.AdamW(make_params()), {"set": "auto"}) == []
+    assert (
+        "kernel prodigy_step skipped: the optimizer is torch.optim.adamw.AdamW, not prodigyopt's Prodigy" in caplog.text
+    )
     with pytest.raises(KernelError, match="not prodigyopt's Prodigy; remove prodigy_step from kernels="):
         install_optimizer_kernels(torch.optim.AdamW(make_params()), {"set": "prodigy_step"})
     assert install_optimizer_kernels(torch.optim.AdamW(make_params()), {"set": "off"}) == []

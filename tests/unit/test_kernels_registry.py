@@ -86,6 +86,37 @@ def test_explicit_request_that_cannot_run_raises_with_the_reason():
         select(["nope"], "cpu", registry=TEST_REGISTRY)
 
 
+def test_auto_plus_and_minus_named_kernels():
+    """auto,name adds a kernel to auto's set and insists on it; auto,-name takes one out of it."""
+    extra = {**TEST_REGISTRY, "opt_in": dataclasses.replace(GOOD, name="opt_in", in_auto=False)}
+    assert select("auto", "cpu", registry=extra).installed == ("good",)  # opt_in is not in auto
+    sel = select("auto,opt_in", "cpu", registry=extra)
+    assert sel.installed == ("good", "opt_in") and not sel.explicit
+    assert sel.insists("opt_in") and not sel.insists("good")  # auto's own kernels still fall back
+    assert "needs_gpu" in sel.skipped  # auto's skip, not an error
+    assert select("auto, -good ,opt_in", "cpu", registry=extra).installed == ("opt_in",)
+    with pytest.raises(KernelError, match="'needs_gpu' cannot run on cpu"):  # named beside auto: insisted on
+        select("auto,needs_gpu", "cpu", registry=extra)
+    with pytest.raises(KernelError, match="-good takes a kernel out of auto: write auto,-good"):
+        select("opt_in,-good", "cpu", registry=extra)
+    with pytest.raises(KernelError, match="unknown kernel 'nope'.*auto,-name takes one out"):
+        select("auto,-nope", "cpu", registry=extra)
+    with pytest.raises(KernelError, match="'good' is both added and taken out"):
+        select("auto,good,-good", "cpu", registry=extra)
+    explicit = select(["opt_in"], "cpu", registry=extra)
+    assert explicit.explicit and explicit.insists("opt_in")
+
+
+def test_a_bad_kernel_set_is_a_config_error_before_anything_loads(compose):
+    from flux_trainer.config import ConfigError
+    from flux_trainer.config.validate import kernel_set_problem, validate
+
+    assert kernel_set_problem("auto") is None and kernel_set_problem("auto,qk_norm_rope,-compile_blocks") is None
+    assert "unknown kernel 'qk_norm'" in kernel_set_problem("auto,qk_norm")
+    with pytest.raises(ConfigError, match="kernels.set=compile,attention: unknown kernel 'compile'"):
+        validate(compose("+dataset=mychar", "kernels.set='compile,attention'"))
+
+
 def test_off_installs_nothing_and_real_registry_explicit_compile_on_cpu_raises():
     assert select("off", "cpu").installed == () and select("off", "cpu").skipped == {}
     assert select([], "cpu").installed == ()
@@ -100,9 +131,10 @@ def test_every_registry_entry_is_frozen_and_complete():
                               "fp8_matmul", "lora_grad_norms", "prodigy_step", "compile_blocks"]  # fmt: skip
     assert [n for n, s in REGISTRY.items() if s.target != "model"] == ["prodigy_step"]  # installs into the optimizer
     # auto = the attention choice + fp8 matmuls (on an fp8 base only) + the LoRA norms (where a LoRA is applied) +
-    # regional compile; the Triton ops are opt-in until they beat compile_blocks
+    # Prodigy's step (when the optimizer is Prodigy) + regional compile; the Triton ops are opt-in until they beat
+    # compile_blocks
     assert [n for n, s in REGISTRY.items() if s.in_auto] == ["attention", "fp8_matmul", "lora_grad_norms",
-                                                              "compile_blocks"]  # fmt: skip
+                                                              "prodigy_step", "compile_blocks"]  # fmt: skip
     assert [n for n, s in REGISTRY.items() if s.auto_if is not None] == ["fp8_matmul", "lora_grad_norms"]
     for spec in REGISTRY.values():
         with pytest.raises(dataclasses.FrozenInstanceError):
