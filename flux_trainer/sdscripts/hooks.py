@@ -60,6 +60,8 @@ class RunHooks:
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
         self.kernels_installed += self._optimizer_kernels
+        if self.kernels_installed or self.spec.kernels.get("set", "off") != "off":
+            log.info("kernels installed: %s", ", ".join(self.kernels_installed) or "none")
         self._accelerator = accelerator
         self._max_steps = int(getattr(args, "max_train_steps", 0) or 0)  # final by now (sd-scripts sets it earlier)
         if self.spec.metrics.get("profile_at"):
@@ -242,7 +244,6 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
     installed = patch.apply_kernels(unet, selection, options=options)
     if graphs and "compile_blocks" in installed:
         installed.append("cuda_graphs")
-    log.info("kernels installed: %s", ", ".join(installed) or "none")
     return installed
 
 

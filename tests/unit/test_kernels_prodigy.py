@@ -189,3 +189,18 @@ def test_runner_hook_installs_it_and_refuses_another_optimizer_only_when_named(c
     with pytest.raises(KernelError, match="not prodigyopt's Prodigy; remove prodigy_step from kernels="):
         install_optimizer_kernels(torch.optim.AdamW(make_params()), {"set": "prodigy_step"})
     assert install_optimizer_kernels(torch.optim.AdamW(make_params()), {"set": "off"}) == []
+
+
+def test_the_run_log_lists_the_optimizer_kernel_with_the_model_kernels(tmp_path, monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from flux_trainer.sdscripts import hooks
+
+    monkeypatch.setattr(hooks, "install_kernels", lambda unet, kernels, device: ["lora_grad_norms"])
+    h = hooks.RunHooks(SimpleNamespace(kernels={"set": "auto"}, metrics={"enabled": False}), tmp_path)
+    opt = prodigyopt.Prodigy(make_params(), lr=1.0)
+    with caplog.at_level(logging.INFO, logger="flux_trainer.runner"):
+        h.optimizer_created(opt)  # sd-scripts builds the optimizer before the model kernels go in
+        h.before_prepare(None, SimpleNamespace(max_train_steps=3), SimpleNamespace(device="cpu"))
+    assert h.kernels_installed == ["lora_grad_norms", "prodigy_step"]
+    assert "kernels installed: lora_grad_norms, prodigy_step" in caplog.text
