@@ -17,6 +17,7 @@ from flux_kernels import device as devmod
 from flux_kernels import reference, registry
 from flux_kernels.device import DeviceInfo, as_device_info, family_of
 from flux_kernels.registry import REGISTRY, KernelError, KernelSpec, probe, select
+from flux_kernels.request import parse_request
 
 HOPPER = DeviceInfo("cuda", 0, "NVIDIA H200", (9, 0), "hopper", True, 139.8, 132)
 TURING = DeviceInfo("cuda", 0, "Tesla T4", (7, 5), "turing_or_older", False, 15.0, 40)
@@ -115,6 +116,15 @@ def test_a_bad_kernel_set_is_a_config_error_before_anything_loads(compose):
     assert "unknown kernel 'qk_norm'" in kernel_set_problem("auto,qk_norm")
     with pytest.raises(ConfigError, match="kernels.set=compile,attention: unknown kernel 'compile'"):
         validate(compose("+dataset=mychar", "kernels.set='compile,attention'"))
+    from flux_trainer.config.paths import shipped_config_dir
+
+    presets = sorted(p.stem for p in (shipped_config_dir() / "kernels").glob("*.yaml"))
+    assert {"auto", "off", "fp8", "fused"} <= set(presets)
+    for preset in presets:  # every shipped kernel set parses
+        assert kernel_set_problem(compose("+dataset=mychar", f"kernels={preset}").kernels.set) is None, preset
+    # the presets built on auto keep what auto adds (prodigy_step with Prodigy) and name what they add to it
+    fp8 = parse_request(compose("+dataset=mychar", "kernels=fp8").kernels.set, REGISTRY)
+    assert fp8.auto and fp8.named == ("fp8_matmul",)
 
 
 def test_off_installs_nothing_and_real_registry_explicit_compile_on_cpu_raises():
