@@ -100,3 +100,25 @@ def make_pe(batch: int, length: int, head_dim: int, device=None, theta: int = 10
 def max_rel_err(got: Tensor, want: Tensor) -> float:
     """max |got - want| / max |want|, in float32: how the fast ops are compared with their references."""
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
+
+
+def saved_bytes(fn, args, also_skip=()) -> int:
+    """Bytes one forward of `fn(*args)` keeps for backward: distinct storages seen by saved_tensors_hooks (compiled
+    code saves through them too); the inputs (nested ones included), `fn`'s parameters (a module's) and
+    `also_skip` (e.g. a frozen weight a closure holds) not counted. How kernels are compared on memory."""
+    from torch.utils._pytree import tree_flatten
+
+    params = fn.parameters() if isinstance(fn, torch.nn.Module) else ()
+    inputs = [t for t in tree_flatten(args)[0] if torch.is_tensor(t)]
+    skip = {t.untyped_storage().data_ptr() for t in (*params, *inputs, *also_skip)}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())

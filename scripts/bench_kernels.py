@@ -71,24 +71,11 @@ def gpu_ms(fn, dev: torch.device, reps: int) -> float | None:
 
 
 def saved_and_peak(fn, args, dev: torch.device, exclude=()) -> tuple[float, float | None]:
-    """(MiB kept for backward by one forward of fn(*args), MiB of peak memory of a forward+backward above what was
-    allocated before). Kept bytes: distinct storages through saved_tensors_hooks, parameters and inputs excluded."""
-    from torch.utils._pytree import tree_flatten
+    """(MiB kept for backward by one forward of fn(*args) (flux_kernels.reference.saved_bytes: parameters, inputs and
+    `exclude` not counted), MiB of peak memory of a forward+backward above what was allocated before)."""
+    from flux_kernels.reference import saved_bytes
 
-    leaves = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-    skip = {t.untyped_storage().data_ptr() for t in [*leaves, *exclude]}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outs = fn(*args)
-    del outs
-    saved = sum(seen.values()) / 2**20
+    saved = saved_bytes(fn, args, also_skip=exclude) / 2**20
     if dev.type != "cuda":
         return saved, None
     run = fwd_bwd(fn, args)

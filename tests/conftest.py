@@ -71,24 +71,3 @@ def flux_block_pair(fm, hidden: int, heads: int, std: float):
     for name, p in model.named_parameters():
         p.data = (1 + 0.1 * torch.randn_like(p)) if name.endswith("scale") else std * torch.randn_like(p)
     return model
-
-
-def saved_bytes(fn, args, also_skip=()) -> int:
-    """Bytes one forward of `fn(*args)` keeps for backward: distinct storages; the inputs, `fn`'s parameters (a
-    module's) and `also_skip` (e.g. a frozen weight a closure holds) not counted."""
-    import torch
-
-    params = fn.parameters() if isinstance(fn, torch.nn.Module) else ()
-    kept_anyway = [*params, *(a for a in args if torch.is_tensor(a)), *also_skip]
-    skip = {t.untyped_storage().data_ptr() for t in kept_anyway}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(seen.values())

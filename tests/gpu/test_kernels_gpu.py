@@ -12,6 +12,7 @@ import torch
 
 from flux_kernels import fast, fp8, patch, reference
 from flux_kernels.attention import chosen, probe_attention
+from flux_kernels.reference import saved_bytes
 from flux_kernels.registry import (
     FP8_TOLERANCE,
     REGISTRY,
@@ -24,7 +25,7 @@ from flux_kernels.registry import (
     select,
     unchecked,
 )
-from tests.conftest import flux_block_pair, saved_bytes
+from tests.conftest import flux_block_pair
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from flux_kernels import fp8, patch, registry
+from flux_kernels.reference import saved_bytes
 from flux_kernels.registry import FP8_TOLERANCE, REGISTRY, KernelSpec, Selection, probe
-from tests.conftest import flux_block_pair, saved_bytes
+from tests.conftest import flux_block_pair
 
 HIDDEN, HEADS = 256, 2
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from flux_kernels import patch, reference
+from flux_kernels.reference import saved_bytes
 from flux_kernels.registry import unchecked
-from tests.conftest import flux_block_pair, saved_bytes
+from tests.conftest import flux_block_pair
 
 ALL_OPS = ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
 LT, LI = 8, 24
