@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 2e-3}
 CACHE_ENV = "FLUX_KERNELS_CACHE"
 REF_HEADS = 2  # heads checked against the fp32 math reference (all heads are run and timed)
+# A backend that materialises [B, H, L, L] weights is not tried where they would take more than this: the probe runs
+# at the run's first forward, and at 4608 tokens the math backend's forward+backward would borrow ~4 GiB more than
+# the training step itself needs (on a 16 GB card, an out-of-memory before the first step). It is never the fastest
+# at such lengths.
+QUADRATIC_PROBE_BYTES = 256 * 2**20
 SAGE_REASON = "SageAttention has no backward pass (inference only); never selected for training"
 
 
@@ -45,6 +50,8 @@ class AttentionBackend:
     cuda_only: bool = True
     trainable: bool = True
     note: str = ""
+    compilable: bool = False  # runs inside torch.compile'd code without a graph break (SDPA under `sdpa_kernel`)
+    quadratic: bool = False  # materialises the [B, H, L, L] attention weights (memory grows with L^2)
 
 
 @dataclass(frozen=True)
@@ -99,11 +106,13 @@ def _sage(q, k, v, mask):
 BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
     for b in (
-        AttentionBackend("sdpa", _default_sdpa, cuda_only=False, note="PyTorch's own choice (sd-scripts' path)"),
-        AttentionBackend("sdpa_cudnn", _sdpa("CUDNN_ATTENTION")),
-        AttentionBackend("sdpa_flash", _sdpa("FLASH_ATTENTION"), cuda_only=False),
-        AttentionBackend("sdpa_efficient", _sdpa("EFFICIENT_ATTENTION")),
-        AttentionBackend("sdpa_math", _sdpa("MATH"), cuda_only=False),
+        AttentionBackend(
+            "sdpa", _default_sdpa, cuda_only=False, note="PyTorch's own choice (sd-scripts' path)", compilable=True
+        ),
+        AttentionBackend("sdpa_cudnn", _sdpa("CUDNN_ATTENTION"), compilable=True),
+        AttentionBackend("sdpa_flash", _sdpa("FLASH_ATTENTION"), cuda_only=False, compilable=True),
+        AttentionBackend("sdpa_efficient", _sdpa("EFFICIENT_ATTENTION"), compilable=True),
+        AttentionBackend("sdpa_math", _sdpa("MATH"), cuda_only=False, compilable=True, quadratic=True),
         AttentionBackend("xformers", _xformers, requires="xformers"),
         AttentionBackend("flash_attn", _flash_attn, requires="flash_attn"),
         AttentionBackend("sage", _sage, requires="sageattention", trainable=False, note=SAGE_REASON),
@@ -250,6 +259,9 @@ def probe_attention(
     results = []
     for name, backend in backends.items():
         why = _unavailable(backend, dev)
+        weights = shape[0] * shape[1] * shape[2] ** 2 * torch.finfo(dtype).bits // 8
+        if not why and backend.quadratic and weights > QUADRATIC_PROBE_BYTES:
+            why = f"not tried at {shape[2]} tokens: it materialises [B, H, L, L] weights ({weights / 2**30:.2f} GiB)"
         if why:
             results.append(BackendResult(name, False, why))
             continue
@@ -308,17 +320,34 @@ def _probe_on(device: torch.device, *args, **kwargs) -> list[BackendResult]:
 
 
 class AttentionDispatch:
-    """Callable (q, k, v, mask) -> [B, H, L, D] that uses the backend chosen for this exact shape, dtype, device and
-    mask. The first eager call at a new shape probes (in a thread of its own, see `_isolated`); later calls, and the
-    recomputation of a checkpointed forward, reuse that choice. Under torch.compile nothing is probed: a choice made
-    for exactly the traced shape is used, else PyTorch's own SDPA dispatch (what sd-scripts runs). A choice made at
-    another shape is never reused: the probe at a tiny shape (e.g. `verify_blocks`, perhaps on the CPU) may pick
-    the math backend, which at 4608 tokens materialises [B, H, L, L] fp32 attention weights per block."""
+    """Callable (q, k, v, mask) -> [B, H, L, D] that uses the backend chosen by measurement.
 
-    def __init__(self, cache_path: Path | str | None = None, backends: Mapping[str, AttentionBackend] | None = None):
+    Eager calls use the backend chosen for their exact shape, dtype, device and mask: the first call at a new shape
+    probes (in a thread of its own, see `_isolated`); later calls, and the recomputation of a checkpointed forward,
+    reuse that choice. A call on another device than the one training runs on (`device`; `verify_blocks` runs the
+    blocks on tiny inputs wherever the model is, often the CPU) uses PyTorch's SDPA and probes nothing: a verdict
+    there says nothing about the GPU, and the math backend it may pick would materialise [B, H, L, L] weights at
+    4608 tokens.
+
+    Compiled code (regional torch.compile of the blocks) never probes while tracing: it uses `run_choice`, the
+    backend that `decide_run` chose at the run's first real forward (`install_run_probe` calls it from a hook on the
+    model, before any block is traced), for every shape; only SDPA backends qualify there (others would break
+    the graph), else PyTorch's own SDPA. One attribute, set once, rather than a lookup per shape: torch.compile
+    guards on what traced code reads, and a table that gains an entry for each new bucket shape would make every
+    compiled block recompile."""
+
+    def __init__(
+        self,
+        cache_path: Path | str | None = None,
+        backends: Mapping[str, AttentionBackend] | None = None,
+        device=None,
+    ):
         self.cache_path = cache_path
         self.backends = BACKENDS if backends is None else backends
+        self.device = None if device is None else as_device_info(device).torch_device
         self.choice: dict[tuple, str] = {}
+        self.run_choice: str | None = None
+        self.run_line: str | None = None  # what decide_run chose and why, for the run's log and TensorBoard
 
     @staticmethod
     def key(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple:
@@ -330,18 +359,38 @@ class AttentionDispatch:
             _probe_on, dev, tuple(shape), dtype, dev, with_mask, backends=self.backends, cache_path=self.cache_path
         )
         name = chosen(results) or "sdpa"
-        rejected = "; ".join(f"{r.name}: {r.error}" for r in results if not r.ok)
-        log.info("attention %s %s mask=%s: %s (rejected: %s)", tuple(shape), dtype, with_mask, name, rejected or "-")
+        log.info(
+            "attention %s %s mask=%s: %s (%s)", tuple(shape), dtype, with_mask, name, describe(results) or "nothing ran"
+        )
         self.choice[(tuple(shape), shape[2], dtype, dev, with_mask)] = name
         return name
 
+    def decide_run(self, shape: Sequence[int], dtype: torch.dtype, device, with_mask: bool) -> str:
+        """Choose the backend compiled blocks use, by a probe at the run's real shape (cached on disk)."""
+        name = self.choice.get((tuple(shape), shape[2], dtype, as_device_info(device).torch_device, with_mask))
+        name = name or self.prepare(shape, dtype, device, with_mask)
+        backend = self.backends.get(name)
+        self.run_choice = name if backend is not None and backend.compilable else "sdpa"
+        self.run_line = f"{name} at {tuple(shape)} {str(dtype).removeprefix('torch.')} mask={with_mask}"
+        if self.run_choice != name:
+            self.run_line += f"; compiled blocks use sdpa ({name} is not compiled)"
+        return self.run_choice
+
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         if torch.compiler.is_compiling():
-            name = self.choice.get(self.key(q, k, mask), "sdpa") if self.choice else "sdpa"
+            name = self.run_choice or "sdpa"
         else:
             name = self.choice.get(self.key(q, k, mask))
             if name is None:
-                name = (
-                    "sdpa" if q.shape[2] != k.shape[2] else self.prepare(q.shape, q.dtype, q.device, mask is not None)
-                )
+                elsewhere = self.device is not None and q.device != self.device
+                cross = q.shape[2] != k.shape[2]
+                name = "sdpa" if elsewhere or cross else self.prepare(q.shape, q.dtype, q.device, mask is not None)
         return self.backends.get(name, BACKENDS["sdpa"]).run(q, k, v, mask)
+
+
+def describe(results: Sequence[BackendResult]) -> str:
+    """The probe's results in one line: the correct backends by time, then why the others were rejected."""
+    ok = ", ".join(f"{r.name} {r.ms_fwd_bwd:.3g} ms" for r in results if r.ok and r.ms_fwd_bwd is not None)
+    rejected = "; ".join(f"{r.name}: {r.error}" for r in results if not r.ok)
+    parts = (f"fwd+bwd: {ok}" if ok else "", f"rejected: {rejected}" if rejected else "")
+    return "; ".join(p for p in parts if p)

@@ -27,6 +27,7 @@ sd-scripts' blocks), and `verify_blocks` checks the installed result against the
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Mapping
@@ -41,6 +42,7 @@ from flux_kernels import fast, reference
 log = logging.getLogger(__name__)
 
 ATTR = "_flux_kernels"
+RUN_PROBE = "_flux_kernels_attention_probe"  # the model's forward pre-hook handle (attention at the real shape)
 BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention")
 DOUBLE_ATTRS = ("img_mod", "txt_mod", "img_norm1", "txt_norm1", "img_attn", "txt_attn", "img_norm2", "txt_norm2",
                 "img_mlp", "txt_mlp", "num_heads")  # fmt: skip
@@ -205,15 +207,60 @@ def install_block_op(model: nn.Module, op: str, **opts) -> str:
     if op == "attention":
         from flux_kernels.attention import AttentionDispatch
 
-        dispatch = AttentionDispatch(cache_path=opts.get("cache_path"))
         device = opts.get("device") or next(model.parameters()).device  # the GPU, even if the model is not there yet
+        dispatch = AttentionDispatch(cache_path=opts.get("cache_path"), device=device)
         for shape in opts.get("shapes", ()):
             dispatch.prepare(tuple(shape), opts.get("dtype", torch.bfloat16), device, opts.get("with_mask", False))
         ops.attention = dispatch
+        _remove_run_probe(model)
+        model.__dict__[RUN_PROBE] = model.register_forward_pre_hook(
+            functools.partial(_decide_attention, dispatch), with_kwargs=True
+        )
     else:
         setattr(ops, op, True)
     double, single = find_blocks(model)
     return f"{op}: {len(double)} double + {len(single)} single blocks"
+
+
+def attention_shape(model: nn.Module, args: tuple, kwargs: dict):
+    """(B, H, L, D), dtype, device and whether a mask is passed, of the attention inside the blocks of a FLUX model
+    called with `args` / `kwargs` (sd-scripts' `Flux.forward(img, img_ids, txt, txt_ids, ..., txt_attention_mask)`):
+    L is the image plus text tokens, the dtype autocast's if it is on. None when the call does not look like that."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    img, txt = bound.get("img"), bound.get("txt")
+    heads, hidden = getattr(model, "num_heads", None), getattr(model, "hidden_size", None)
+    if not (isinstance(img, Tensor) and isinstance(txt, Tensor) and img.dim() == txt.dim() == 3 and heads and hidden):
+        return None
+    kind = img.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else img.dtype
+    shape = (img.shape[0], int(heads), img.shape[1] + txt.shape[1], int(hidden) // int(heads))
+    return shape, dtype, img.device, bound.get("txt_attention_mask") is not None
+
+
+def _decide_attention(dispatch, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on the FLUX model: at its first real call, before any compiled block is traced, probe
+    attention at the run's shape (see AttentionDispatch). Eager, outside the compiled blocks; after that one
+    decision it only reads an attribute."""
+    if dispatch.run_choice is None and (found := attention_shape(model, args, kwargs)) is not None:
+        dispatch.decide_run(*found)
+
+
+def _remove_run_probe(model: nn.Module) -> None:
+    handle = model.__dict__.pop(RUN_PROBE, None)
+    if handle is not None:
+        handle.remove()
+
+
+def attention_decision(model: nn.Module) -> str | None:
+    """What the attention probe chose at the run's first forward, in words (None before it, or without the kernel)."""
+    for b in model.modules():
+        ops = getattr(b, ATTR, None)
+        if ops is not None:
+            return getattr(ops.attention, "run_line", None)
+    return None
 
 
 def install_compile(model: nn.Module, **opts) -> str:
@@ -257,6 +304,7 @@ def remove_kernels(model: nn.Module) -> list[str]:
 
     undone = ["fp8"] if fp8.uninstall(model) else []
     undone += ["lora_norms"] if lora_norms.uninstall(model) else []
+    _remove_run_probe(model)
     for b in model.modules():
         if hasattr(b, ATTR):
             delattr(b, ATTR)

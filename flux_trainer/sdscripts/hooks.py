@@ -27,6 +27,7 @@ class RunHooks:
         self.slowdown = None
         self.profiler = None
         self._accelerator = None
+        self._unet = None
         self.kernels_installed: list[str] = []
         self._texts_written = False
         self._samples_logged: set[str] = set()
@@ -59,6 +60,7 @@ class RunHooks:
 
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
+        self._unet = unet
         self.kernels_installed += self._optimizer_kernels
         if self.kernels_installed or self.spec.kernels.get("set", "off") != "off":
             log.info("kernels installed: %s", ", ".join(self.kernels_installed) or "none")
@@ -189,6 +191,10 @@ class RunHooks:
         texts = {k: (self.run_dir / f).read_text() for k, f in RUN_TEXT_FILES.items() if (self.run_dir / f).exists()}
         texts["gpu"] = device_name(accelerator.device)
         texts["kernels"] = ", ".join(self.kernels_installed) or "none (plain sd-scripts compute path)"
+        if "attention" in self.kernels_installed:
+            from flux_kernels.patch import attention_decision
+
+            texts["attention"] = attention_decision(self._unet) or "no decision yet (no forward at a FLUX shape)"
         write_run_text(logdir, texts)
         if (self.run_dir / "config.yaml").exists():
             import yaml

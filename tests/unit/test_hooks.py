@@ -118,3 +118,29 @@ def test_a_profile_window_open_at_the_last_step_closes_before_the_final_save(tmp
         assert (tmp_path / "profile" / "summary.json").is_file() == (step == 3)
     assert h.profiler.steps == 2 and h.profiler._prof is None
     assert not h.profiler.close()  # what train_finished calls: nothing open any more
+
+
+def test_run_texts_name_the_attention_backend_chosen_at_the_runs_shape(tmp_path, fm):
+    """TensorBoard's run/attention says what the attention probe chose at the first forward (written with the
+    other run texts after the first step, when that forward has happened)."""
+    import torch
+
+    from flux_kernels import patch
+    from flux_trainer.metrics.tensorboard import read_texts
+    from tests.conftest import flux_block_pair
+
+    model = flux_block_pair(fm, 256, 2, 0.05)
+    patch.install_block_op(model, "attention", cache_path=tmp_path / "attention.json", device="cpu")
+    dispatch = model.double_blocks[0]._flux_kernels.attention
+    name = dispatch.decide_run((1, 2, 24, 128), torch.float32, "cpu", False)
+
+    class Tracked(FakeAccelerator):
+        def get_tracker(self, *_a, **_k):
+            return SimpleNamespace(log_dir=str(tmp_path / "tb"))
+
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    h.kernels_installed, h._unet = ["attention", "compile_blocks"], model
+    h.write_run_texts(Tracked())
+    texts = read_texts(tmp_path / "tb")
+    assert texts["run/attention"] == f"{name} at (1, 2, 24, 128) float32 mask=False"
+    assert texts["run/kernels"] == "attention, compile_blocks"

@@ -132,27 +132,67 @@ def test_dispatch_probes_once_per_shape_and_uses_the_choice(tmp_path):
     assert len(calls) == n + 1  # no second probe
 
 
-def test_traced_code_uses_a_choice_only_at_its_own_shape(tmp_path, monkeypatch):
-    """A choice made at a tiny shape (verify_blocks, perhaps on the CPU, where the math backend wins) must not
-    leak into compiled code at the real shape: math there materialises [B, H, L, L] fp32 weights per block."""
-    calls = []
-
-    def counting(q, k, v, mask):
+def _counting(calls):
+    def run(q, k, v, mask):
         calls.append(tuple(q.shape))
         return _math(q, k, v, mask)
 
-    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends={"counting": AttentionBackend(
-        "counting", counting, cuda_only=False)})  # fmt: skip
+    return run
+
+
+def test_traced_code_uses_the_run_choice_and_nothing_else(tmp_path, monkeypatch):
+    """Compiled code never probes and reads one attribute, `run_choice`, which `decide_run` sets at the run's real
+    shape; it is then used at every shape. A choice made eagerly at another shape (verify_blocks at a tiny shape,
+    where the math backend may win) never reaches traced code: math at 4608 tokens materialises [B, H, L, L]
+    fp32 weights per block."""
+    calls = []
+    backends = {"counting": AttentionBackend("counting", _counting(calls), cuda_only=False, compilable=True)}
+    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
     tiny = [torch.randn(SHAPE) for _ in range(3)]
-    dispatch(*tiny, None)  # eager: probes, chooses "counting"
+    dispatch(*tiny, None)  # eager: probes, chooses "counting" at SHAPE
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     big = [torch.randn(1, 2, 47, 16) for _ in range(3)]
     calls.clear()
     out = dispatch(*big, None)
-    assert calls == [] and torch.allclose(out, F.scaled_dot_product_attention(*big), atol=1e-5)  # PyTorch's own
     dispatch(*tiny, None)
-    assert calls == [SHAPE]  # the exact shape it was chosen for
-    assert len(dispatch.choice) == 1  # tracing never probes
+    assert calls == [] and torch.allclose(out, F.scaled_dot_product_attention(*big), atol=1e-5)  # PyTorch's own
+    assert dispatch.decide_run(big[0].shape, torch.float32, "cpu", False) == "counting"
+    assert dispatch.run_line == "counting at (1, 2, 47, 16) float32 mask=False"
+    calls.clear()
+    other = [torch.randn(1, 2, 20, 16) for _ in range(3)]
+    dispatch(*big, None)
+    dispatch(*other, None)
+    assert calls == [(1, 2, 47, 16), (1, 2, 20, 16)]  # every traced shape, no probe at the second one
+    assert len(dispatch.choice) == 2
+
+
+def test_a_backend_that_does_not_compile_is_kept_out_of_compiled_code(tmp_path, monkeypatch):
+    calls = []
+    backends = {"opaque": AttentionBackend("opaque", _counting(calls), cuda_only=False)}  # e.g. xformers
+    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
+    assert dispatch.decide_run(SHAPE, torch.float32, "cpu", False) == "sdpa"
+    assert dispatch.run_line.endswith("; compiled blocks use sdpa (opaque is not compiled)")
+    q, k, v = (torch.randn(SHAPE) for _ in range(3))
+    calls.clear()
+    dispatch(q, k, v, None)
+    assert calls == [SHAPE]  # eager code still uses the probe's winner
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    out = dispatch(q, k, v, None)
+    assert calls == [SHAPE] and torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
+
+
+def test_calls_away_from_the_training_device_probe_nothing(tmp_path, caplog):
+    """verify_blocks runs the patched blocks on tiny inputs wherever the model is (the CPU, before it moves to
+    the GPU): no probe there (it used to log 'sdpa_math ... sdpa_cudnn: needs CUDA' for a GPU run), PyTorch's SDPA."""
+    calls = []
+    backends = {"counting": AttentionBackend("counting", _counting(calls), cuda_only=False, compilable=True)}
+    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
+    dispatch.device = torch.device("cuda", 0)  # the run's device; the inputs below are on the CPU
+    q, k, v = (torch.randn(SHAPE) for _ in range(3))
+    with caplog.at_level("INFO", logger="flux_kernels.attention"):
+        out = dispatch(q, k, v, None)
+    assert calls == [] and dispatch.choice == {} and caplog.records == []
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
 
 
 def test_probe_at_first_call_is_isolated_from_the_callers_autograd_state(tmp_path):
@@ -182,3 +222,16 @@ def test_probe_at_first_call_is_isolated_from_the_callers_autograd_state(tmp_pat
 def test_backend_result_is_plain_data():
     r = BackendResult("x", False, "why")
     assert (r.max_err, r.ms_fwd_bwd, r.chosen) == (None, None, False)
+
+
+def test_a_backend_with_quadratic_memory_is_not_tried_at_long_sequences(tmp_path, monkeypatch):
+    """The probe runs at the run's first forward; the math backend at 4608 tokens would borrow ~4 GiB there."""
+    backends = {name: attention.BACKENDS[name] for name in ("sdpa", "sdpa_math")}
+    results = probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends, use_cache=False,
+                              timer=lambda name, fn: 1.0)  # fmt: skip
+    assert all(r.ok for r in results)  # 2 x 33^2 weights: tried
+    monkeypatch.setattr(attention, "QUADRATIC_PROBE_BYTES", 2 * 33 * 33 * 4 - 1)
+    results = {r.name: r for r in probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends,
+                                                  use_cache=False, timer=lambda name, fn: 1.0)}  # fmt: skip
+    assert results["sdpa"].chosen and not results["sdpa_math"].ok
+    assert results["sdpa_math"].error.startswith("not tried at 33 tokens: it materialises [B, H, L, L] weights")

@@ -207,12 +207,15 @@ def test_patched_block_traces_without_graph_breaks(dev, fm):
         assert explained.graph_break_count == 0, (kind, explained.break_reasons)
         assert block._flux_kernels.attention.choice == {}  # tracing never probes
         torch._dynamo.reset()
-    # once a choice exists for exactly the traced shape, traced code uses it, still without graph breaks
+    # once the run's backend is chosen (an SDPA one under sdpa_kernel), traced code uses it without graph breaks
     block = model.single_blocks[0]
     args = patch._verify_inputs(block, "single", dev, torch.float32, True)
     block.disable_gradient_checkpointing()
     block(*args)  # eager: probes this shape
-    assert len(block._flux_kernels.attention.choice) == 1
+    dispatch = block._flux_kernels.attention
+    assert len(dispatch.choice) == 1
+    (key, name), = dispatch.choice.items()
+    assert dispatch.decide_run(key[0], torch.float32, dev, True) == name  # every SDPA backend compiles
     explained = torch._dynamo.explain(block.forward)(*args)
     assert explained.graph_break_count == 0, explained.break_reasons
     torch._dynamo.reset()
@@ -334,3 +337,37 @@ def test_interpreter_works_when_triton_was_imported_before_it_was_switched_on():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_attention_is_probed_at_the_first_real_forward_of_the_flux_model(fm, tmp_path):
+    """sd-scripts' Flux with the attention kernel: the run's backend is not decided at install; the model's first
+    forward probes at its real shape, image plus text tokens, before any block runs (so before compiled blocks
+    are traced), and only once; remove_kernels drops the hook."""
+    from flux_trainer.random_specs import PRESETS
+
+    torch.manual_seed(0)
+    model = fm.Flux(dataclasses.replace(fm.configs["dev"].params, **PRESETS["tiny"]["flux"]))
+    options = {"attention": {"cache_path": tmp_path / "attention.json", "device": torch.device("cpu")}}
+    assert patch.apply_kernels(model, unchecked(["attention"]), options=options) == ["attention"]
+    dispatch = model.double_blocks[0]._flux_kernels.attention
+    assert patch.attention_decision(model) is None and dispatch.run_choice is None
+
+    def forward(img_tokens: int, txt_tokens: int, mask: bool):
+        g = torch.Generator().manual_seed(img_tokens)
+        img, txt = torch.randn(1, img_tokens, 64, generator=g), torch.randn(1, txt_tokens, 64, generator=g)
+        ids = torch.zeros(1, img_tokens, 3), torch.zeros(1, txt_tokens, 3)
+        m = torch.ones(1, txt_tokens, dtype=torch.bool) if mask else None
+        with torch.no_grad():
+            return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=torch.rand(1),
+                         y=torch.randn(1, 64, generator=g), guidance=torch.full((1,), 3.5), txt_attention_mask=m)  # fmt: skip
+
+    out = forward(16, 8, mask=True)
+    assert torch.isfinite(out).all()
+    line = patch.attention_decision(model)
+    assert line is not None and line.startswith(f"{dispatch.run_choice} at (1, 2, 24, 128) float32 mask=True"), line
+    assert ((1, 2, 24, 128), 24, torch.float32, torch.device("cpu"), True) in dispatch.choice
+    n = len(dispatch.choice)  # with verify_blocks' tiny shape: the model is on the run's device (the CPU) here
+    forward(32, 8, mask=False)  # another bucket: the run's decision stays, the eager blocks probe their new shape
+    assert patch.attention_decision(model) == line and len(dispatch.choice) == n + 1
+    patch.remove_kernels(model)
+    assert patch.RUN_PROBE not in model.__dict__ and not model._forward_pre_hooks
