@@ -7,7 +7,7 @@ Stands alone: never imports flux_trainer or sd-scripts. Triton is imported only 
     selection = select("auto", accelerator.device)   # or "off", ["qk_norm_rope", ...] / "a,b", "auto,a,-b"
     installed = apply_kernels(flux, selection)        # patches the built model's blocks; remove_kernels undoes it
 
-Kernels: attention (backend chosen per shape by measurement), qk_norm_rope, modulate, gated_residual,
+Kernels: attention (backend chosen by measurement at the run's shape), qk_norm_rope, modulate, gated_residual,
 gated_modulate (Triton, forward and backward), fp8_matmul (frozen Linears in fp8 via torch._scaled_mm),
 lora_grad_norms (sd-scripts' per-step LoRA gradient norms from rank-sized factors), prodigy_step (prodigyopt's step
 with one host read per step; installs into the optimizer), compile_blocks (regional torch.compile). `auto` =

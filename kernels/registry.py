@@ -247,7 +247,7 @@ def attention_check(info: DeviceInfo) -> tuple[bool, str]:
     name = chosen(results)
     if name is None:
         return False, "no attention backend passed: " + "; ".join(f"{r.name}: {r.error}" for r in results)
-    return True, f"backends work here (at 67 tokens: {name}); chosen per shape at first use"
+    return True, f"backends work here (at 67 tokens: {name}); chosen at the run's shape at its first forward"
 
 
 def fp8_example(device, dtype, M=37, K=64, N=96):
@@ -290,7 +290,7 @@ REGISTRY: dict[str, KernelSpec] = {
     for s in (
         KernelSpec(
             "attention",
-            "choose the attention backend per shape by measurement (SDPA cuDNN / flash / efficient / math, "
+            "choose the attention backend by measurement at the run's shape (SDPA cuDNN / flash / efficient / math, "
             f"xformers, flash-attn when importable); {SAGE_REASON}",
             cuda_applies,
             functools.partial(patch.install_block_op, op="attention"),

@@ -358,8 +358,9 @@ def test_attention_is_probed_at_the_first_real_forward_of_the_flux_model(fm, tmp
         ids = torch.zeros(1, img_tokens, 3), torch.zeros(1, txt_tokens, 3)
         m = torch.ones(1, txt_tokens, dtype=torch.bool) if mask else None
         with torch.no_grad():
-            return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=torch.rand(1),
-                         y=torch.randn(1, 64, generator=g), guidance=torch.full((1,), 3.5), txt_attention_mask=m)  # fmt: skip
+            y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
+            return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance,
+                         txt_attention_mask=m)  # fmt: skip
 
     out = forward(16, 8, mask=True)
     assert torch.isfinite(out).all()
