@@ -7,6 +7,7 @@ accelerate.yaml, env.json, runner.json, command.txt; the child's output goes to 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -255,8 +256,12 @@ def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = No
 
     say(f"TensorBoard: tensorboard --logdir {Path(cfg.logging.root).resolve()}")
     log_path = prepared.run_dir / "train.log"
-    code = child_exit_code(
-        prepared.run_dir, run_supervised(prepared.command, prepared.env, log_path, memory_tier=cfg.memory.tier)
+    code = run_supervised(
+        prepared.command,
+        prepared.env,
+        log_path,
+        memory_tier=cfg.memory.tier,
+        exit_code=functools.partial(child_exit_code, prepared.run_dir),
     )
     if code == 0:
         final = prepared.run_dir / f"{cfg.train.output_name}.safetensors"

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -104,6 +104,7 @@ def run_supervised(
     echo: TextIO | None = None,
     memory_tier: str | None = None,
     linger_s: float = 30.0,
+    exit_code: Callable[[int], int] | None = None,
 ) -> int:
     """Run `cmd` to the end and return its exit code (128+N when killed by signal N, 127 when it cannot start).
 
@@ -112,6 +113,8 @@ def run_supervised(
     is waited for, without forwarding. When the child has exited but something it started still holds the output
     open for `linger_s` with no Ctrl-C from the user, the group is terminated so a leaked worker cannot hang us.
     `memory_tier` (the resolved memory preset) makes an out-of-memory explanation name the next smaller preset.
+    `exit_code` maps the launcher's code to the training process's own (accelerate reports every failure as 1) before
+    it is reported and returned.
     """
     if isinstance(cmd, (str, bytes)) or not cmd:
         raise TypeError("run_supervised takes a non-empty argument list, never a shell string")
@@ -158,6 +161,7 @@ def run_supervised(
             for s, h in previous.items():
                 signal.signal(s, h)
         code = 128 - rc if rc < 0 else rc
+        code = exit_code(code) if exit_code is not None else code
         if code != 0 and state["step"]:
             # Stopped on request: launchers turn that into exit 1 and a traceback; no failure to explain.
             tee.say(f"training stopped on request (exit code {code}); the log is {log_path}")

@@ -79,6 +79,15 @@ def test_exit_code_passes_through(tmp_path, code):
     assert run_supervised([PY, "-c", f"import sys; sys.exit({code})"], None, tmp_path / "log", echo=out) == code
 
 
+def test_the_training_process_own_code_is_reported_and_returned(tmp_path):
+    """accelerate turns every failure into 1; the runner's own code (read back by `exit_code`) is what the failure
+    summary says and what is returned, so the two never disagree."""
+    out = io.StringIO()
+    cmd = [PY, "-c", "import sys; sys.exit(1)"]
+    assert run_supervised(cmd, None, tmp_path / "log", echo=out, exit_code=lambda c: 2 if c == 1 else c) == 2
+    assert "training exited with code 2" in out.getvalue()
+
+
 def test_signalled_child_reads_like_a_shell(tmp_path):
     cmd = [PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     out = io.StringIO()
