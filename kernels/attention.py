@@ -330,11 +330,11 @@ class AttentionDispatch:
     4608 tokens.
 
     Compiled code (regional torch.compile of the blocks) never probes while tracing: it uses `run_choice`, the
-    backend that `decide_run` chose at the run's first real forward (`install_run_probe` calls it from a hook on the
-    model, before any block is traced), for every shape; only SDPA backends qualify there (others would break
-    the graph), else PyTorch's own SDPA. One attribute, set once, rather than a lookup per shape: torch.compile
-    guards on what traced code reads, and a table that gains an entry for each new bucket shape would make every
-    compiled block recompile."""
+    backend that `decide_run` chose at the run's first real forward (called from a forward pre-hook on the model,
+    see `flux_kernels.patch`, before any block is traced), for every shape; only SDPA backends qualify there
+    (others would break the graph), else PyTorch's own SDPA. One attribute, set once, rather than a lookup per
+    shape: torch.compile guards on what traced code reads, and a table that gains an entry for each new bucket
+    shape would make every compiled block recompile."""
 
     def __init__(
         self,
@@ -353,6 +353,11 @@ class AttentionDispatch:
     def key(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple:
         return (tuple(q.shape), k.shape[2], q.dtype, q.device, mask is not None)
 
+    @staticmethod
+    def shape_key(shape: Sequence[int], dtype: torch.dtype, device, with_mask: bool) -> tuple:
+        """`key` of a self-attention call at `shape` (keys as long as queries)."""
+        return (tuple(shape), shape[2], dtype, as_device_info(device).torch_device, with_mask)
+
     def prepare(self, shape: Sequence[int], dtype: torch.dtype, device, with_mask: bool) -> str:
         dev = as_device_info(device).torch_device
         results = _isolated(
@@ -362,12 +367,12 @@ class AttentionDispatch:
         log.info(
             "attention %s %s mask=%s: %s (%s)", tuple(shape), dtype, with_mask, name, describe(results) or "nothing ran"
         )
-        self.choice[(tuple(shape), shape[2], dtype, dev, with_mask)] = name
+        self.choice[self.shape_key(shape, dtype, dev, with_mask)] = name
         return name
 
     def decide_run(self, shape: Sequence[int], dtype: torch.dtype, device, with_mask: bool) -> str:
         """Choose the backend compiled blocks use, by a probe at the run's real shape (cached on disk)."""
-        name = self.choice.get((tuple(shape), shape[2], dtype, as_device_info(device).torch_device, with_mask))
+        name = self.choice.get(self.shape_key(shape, dtype, device, with_mask))
         name = name or self.prepare(shape, dtype, device, with_mask)
         backend = self.backends.get(name)
         self.run_choice = name if backend is not None and backend.compilable else "sdpa"

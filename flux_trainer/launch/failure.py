@@ -92,7 +92,7 @@ _CAUSES: tuple[tuple[str, Callable[[re.Match, str | None], str]], ...] = (
         ),
     ),
     (
-        r"ERROR\s+kernels: kernel '([\w]+)'|ERROR\s+kernels: ",  # the runner's KernelError line (no traceback)
+        r"ERROR\s+kernels: (?:kernel '(\w+)')?",  # the runner's KernelError line (no traceback)
         lambda m, tier: (
             f"cause: a kernel named in kernels= cannot run here{f' ({m.group(1)})' if m.group(1) else ''}; the "
             "ERROR line above says why. Remove it from kernels.set, or use kernels=auto, which installs only what "
