@@ -35,6 +35,7 @@ class RunHooks:
         self._ranks_peak: dict[str, float] = {}
         self._max_steps = 0
         self._optimizer_kernels: list[str] = []
+        self._bypass_reasons: CacheBypassReasons | None = None
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -61,6 +62,8 @@ class RunHooks:
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
         self._unet = unet
+        if "compile_blocks" in self.kernels_installed:
+            self._bypass_reasons = CacheBypassReasons().install()  # the blocks compile at their first call, later
         self.kernels_installed += self._optimizer_kernels
         if self.kernels_installed or self.spec.kernels.get("set", "off") != "off":
             log.info("kernels installed: %s", ", ".join(self.kernels_installed) or "none")
@@ -117,7 +120,7 @@ class RunHooks:
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
         if "compile_blocks" in self.kernels_installed and global_step == COMPILE_CHECKED_AT:
-            report_compile_cache()
+            report_compile_cache(self._bypass_reasons.reasons if self._bypass_reasons else None)
         if "cuda_graphs" in self.kernels_installed and global_step == GRAPHS_CHECKED_AT:
             self.report_cudagraph_skips()
         if self.metrics is None:
@@ -296,18 +299,63 @@ def compile_cache_counts() -> dict[str, int]:
     }
 
 
-def report_compile_cache() -> None:
+# torch's loggers that say why a graph bypasses a compile cache, and how their messages start (INFO level)
+CACHE_BYPASS_LOGGERS = {
+    "torch._inductor.codecache": ("inductor", "Bypassing FX Graph Cache because"),
+    "torch._functorch._aot_autograd.autograd_cache": ("autograd", "Bypassing autograd cache due to"),
+}
+
+
+class CacheBypassReasons(logging.Filter):
+    """Collects the reasons torch gives, at INFO on its own loggers, for a graph bypassing the compile caches, so
+    the run log can say why instead of pointing at TORCH_LOGS. The loggers are lowered to INFO for this; records
+    below the level they had (what the user would have seen, e.g. through TORCH_LOGS) are dropped here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasons: dict[str, int] = {}
+        self._shown: dict[str, int] = {}  # each logger's effective level before: what the user sees
+        self._own: dict[str, int] = {}  # and its own level, put back by remove()
+
+    def install(self) -> CacheBypassReasons:
+        for name in CACHE_BYPASS_LOGGERS:
+            logger = logging.getLogger(name)
+            self._shown[name] = logger.getEffectiveLevel()
+            self._own[name] = logger.level
+            if self._shown[name] > logging.INFO:
+                logger.setLevel(logging.INFO)
+            logger.addFilter(self)
+        return self
+
+    def remove(self) -> None:
+        for name, level in self._own.items():
+            logger = logging.getLogger(name)
+            logger.removeFilter(self)
+            logger.setLevel(level)
+        self._shown, self._own = {}, {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        cache, prefix = CACHE_BYPASS_LOGGERS.get(record.name, ("", "\0"))
+        message = record.getMessage()
+        if message.startswith(prefix):
+            reason = f"{cache}: " + message[len(prefix) :].strip(" :'")
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        return record.levelno >= self._shown.get(record.name, logging.NOTSET)
+
+
+def report_compile_cache(bypass_reasons: dict[str, int] | None = None) -> None:
     """After the first step: how much of the compiling came from the cache (a second run of the same shapes
-    should be all hits), and where to read why when some of it cannot be cached."""
+    should be all hits), and why some of it cannot be cached (torch's reasons, when they were collected)."""
     c = compile_cache_counts()
     line = ", ".join(
         f"{n} {c[n + '_hit']} hit / {c[n + '_miss']} miss / {c[n + '_bypass']} bypass" for n in ("inductor", "autograd")
     )
     if c["inductor_bypass"] or c["autograd_bypass"]:
+        why = "; ".join(f"{reason} ({n}x)" for reason, n in (bypass_reasons or {}).items())
         log.warning(
-            "torch.compile cache: %s; a bypassed graph is compiled anew in every run (TORCH_LOGS=aot,inductor "
-            "says why)",
+            "torch.compile cache: %s; a bypassed graph is compiled anew in every run (%s)",
             line,
+            f"torch says: {why}" if why else "TORCH_LOGS=aot,inductor says why",
         )
     else:
         log.info("torch.compile cache: %s", line)

@@ -142,3 +142,47 @@ def test_compile_cache_outcomes_are_reported_after_the_first_step(tmp_path, monk
     h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT)
     assert "autograd 3 hit / 1 miss / 4 bypass" in caplog.text and "TORCH_LOGS=aot,inductor" in caplog.text
     assert caplog.records[-1].levelname == "WARNING"
+
+
+def test_cache_bypass_reasons_come_from_torch_itself(tmp_path, monkeypatch, caplog):
+    """A graph that cannot be cached (a plain-function custom pass makes inductor bypass its FX graph cache):
+    torch's own reason reaches the run log, and torch's INFO record, which the user did not ask for, is dropped."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", lambda graph: None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    codecache_log = logging.getLogger("torch._inductor.codecache")
+    level_before = codecache_log.level
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    catch = Catch(level=logging.DEBUG)
+    codecache_log.addHandler(catch)
+    reasons = hooks_mod.CacheBypassReasons().install()
+    try:
+        torch._dynamo.reset()
+        bypassed = counters["inductor"]["fxgraph_cache_bypass"]
+        f = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+        f(torch.randn(8, 5))
+        assert counters["inductor"]["fxgraph_cache_bypass"] > bypassed
+    finally:
+        reasons.remove()
+        codecache_log.removeHandler(catch)
+        torch._dynamo.reset()
+    assert codecache_log.level == level_before
+    assert reasons.reasons == {
+        "inductor: Unsupported post grad custom pass": 1,
+        "autograd: Unsupported post grad custom pass": 1,
+    }
+    assert not any(m.startswith("Bypassing") for m in seen)  # below the logger's own level: not shown
+
+    monkeypatch.setitem(counters["inductor"], "fxgraph_cache_bypass", 1)
+    caplog.set_level(logging.INFO, logger="flux_trainer.runner")
+    hooks_mod.report_compile_cache(reasons.reasons)
+    assert "torch says: " in caplog.text and "inductor: Unsupported post grad custom pass (1x)" in caplog.text
+    assert "TORCH_LOGS" not in caplog.text
