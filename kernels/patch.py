@@ -266,10 +266,15 @@ def attention_decision(model: nn.Module) -> str | None:
 def install_compile(model: nn.Module, **opts) -> str:
     """Regional torch.compile: `block.compile(**opts)` per block (compiles at first call, one graph per block
     type and shape). Numerically the compiled block is the same program, fused by inductor."""
+    from flux_kernels import compile_cache
+
     double, single = find_blocks(model)
     for b in double + single:
         b.compile(**opts)
-    return f"compile_blocks: {len(double)} double + {len(single)} single blocks"
+    chosen = {**torch._inductor.list_mode_options(opts.get("mode") or "default"), **(opts.get("options") or {})}
+    graphs = bool(chosen.get("triton.cudagraphs"))
+    note = compile_cache.prefer_cacheable_rng(cuda_graphs=graphs)
+    return f"compile_blocks: {len(double)} double + {len(single)} single blocks" + (f" ({note})" if note else "")
 
 
 def install_fp8(model: nn.Module, quantize: bool = False, device=None, **_) -> str:
@@ -300,9 +305,10 @@ def install_lora_norms(model: nn.Module, **_) -> str:
 def remove_kernels(model: nn.Module) -> list[str]:
     """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation,
     Linear layers get their forward back (weights that fp8_matmul quantised stay fp8)."""
-    from flux_kernels import fp8, lora_norms
+    from flux_kernels import compile_cache, fp8, lora_norms
 
     undone = ["fp8"] if fp8.uninstall(model) else []
+    undone += ["compile_rng"] if compile_cache.restore() else []
     undone += ["lora_norms"] if lora_norms.uninstall(model) else []
     _remove_run_probe(model)
     for b in model.modules():
