@@ -263,20 +263,6 @@ def attention_decision(model: nn.Module) -> str | None:
     return None
 
 
-def install_compile(model: nn.Module, **opts) -> str:
-    """Regional torch.compile: `block.compile(**opts)` per block (compiles at first call, one graph per block
-    type and shape). Numerically the compiled block is the same program, fused by inductor."""
-    from flux_kernels import compile_cache
-
-    double, single = find_blocks(model)
-    for b in double + single:
-        b.compile(**opts)
-    chosen = {**torch._inductor.list_mode_options(opts.get("mode") or "default"), **(opts.get("options") or {})}
-    graphs = bool(chosen.get("triton.cudagraphs"))
-    note = compile_cache.prefer_cacheable_rng(cuda_graphs=graphs)
-    return f"compile_blocks: {len(double)} double + {len(single)} single blocks" + (f" ({note})" if note else "")
-
-
 def install_fp8(model: nn.Module, quantize: bool = False, device=None, **_) -> str:
     """fp8 frozen matmuls (flux_kernels.fp8) in every block's token-wise Linear layers; `quantize` also converts
     high-precision weights (on `device`, e.g. the GPU, when given)."""
@@ -305,10 +291,10 @@ def install_lora_norms(model: nn.Module, **_) -> str:
 def remove_kernels(model: nn.Module) -> list[str]:
     """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation,
     Linear layers get their forward back (weights that fp8_matmul quantised stay fp8)."""
-    from flux_kernels import compile_cache, fp8, lora_norms
+    from flux_kernels import compile_blocks, fp8, lora_norms
 
     undone = ["fp8"] if fp8.uninstall(model) else []
-    undone += ["compile_rng"] if compile_cache.restore() else []
+    undone += compile_blocks.remove(model)
     undone += ["lora_norms"] if lora_norms.uninstall(model) else []
     _remove_run_probe(model)
     for b in model.modules():
@@ -316,9 +302,6 @@ def remove_kernels(model: nn.Module) -> list[str]:
             delattr(b, ATTR)
             b.__dict__.pop("_forward", None)
             undone.append("patch")
-        if getattr(b, "_compiled_call_impl", None) is not None and block_kind(b):
-            b._compiled_call_impl = None
-            undone.append("compile")
     return sorted(set(undone))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from flux_kernels import fast, fp8, lora_norms, patch, prodigy, reference
+from flux_kernels import compile_blocks, fast, fp8, lora_norms, patch, prodigy, reference
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
 from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
 from flux_kernels.patch import KernelError
@@ -377,7 +377,7 @@ REGISTRY: dict[str, KernelSpec] = {
             "compile_blocks",
             "regional torch.compile: block.compile() on every double/single block (first step compiles)",
             compile_applies,
-            patch.install_compile,
+            compile_blocks.install,
             check=compile_check,
         ),
     )

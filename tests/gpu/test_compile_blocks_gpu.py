@@ -1,5 +1,5 @@
 """On the GPU: a gradient-checkpointed compiled function with PyTorch's fused attention (a seeded op, so its RNG
-state is functionalised for the recompute) is cached by inductor's FX graph cache once flux_kernels.compile_cache
+state is functionalised for the recompute) is cached by inductor's FX graph cache once flux_kernels.compile_blocks
 has done its part. Where this torch marks the graph-safe RNG op uncacheable (2.11), the same function without it
 must bypass the cache: the test shows the bypass before it shows the fix."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from flux_kernels import compile_cache
+from flux_kernels import compile_blocks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -40,13 +40,13 @@ def test_checkpointed_attention_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
     try:
-        if compile_cache.graphsafe_rng_blocks_cache():
+        if compile_blocks.graphsafe_rng_blocks_cache():
             assert cache_outcomes(tmp_path, monkeypatch)["bypass"] > 0, "this torch was expected to bypass"
-            assert compile_cache.prefer_cacheable_rng(cuda_graphs=False)
+            assert compile_blocks.prefer_cacheable_rng(cuda_graphs=False)
         first = cache_outcomes(tmp_path, monkeypatch)
         second = cache_outcomes(tmp_path, monkeypatch)
     finally:
-        compile_cache.restore()
+        compile_blocks.restore()
         torch._dynamo.reset()
     assert first["bypass"] == 0 and second["bypass"] == 0, (first, second)
     assert second["hit"] >= 2 and second["miss"] == 0, second  # forward and backward from the cache

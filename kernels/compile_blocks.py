@@ -1,0 +1,112 @@
+"""Regional torch.compile of the FLUX blocks (`compile_blocks`), and what keeps its start-up short: one compiled
+graph per block kind, and graphs that torch.compile's FX graph cache keeps for the next run.
+
+Cacheable with gradient checkpointing. In a checkpointed region AOTAutograd recomputes the forward in the
+backward, and every recomputed op tagged `nondeterministic_seeded` gets its RNG state saved in the forward and
+restored for the recompute. PyTorch tags its fused attention ops so (cuDNN, flash, efficient SDPA: their dropout
+draws random numbers, even at p=0), so each checkpointed FLUX block has one such op. On CUDA the default way to do
+this is the CUDA-graph-safe higher-order op `graphsafe_run_with_rng_state`, which some torch versions (2.11,
+measured on the H200) mark as not cacheable: inductor then bypasses its cache for those graphs and compiles them
+anew in every run (~45 s on the first step at 1024², fp8 base + checkpointing). The other way,
+`run_and_save_rng_state` / `run_with_rng_state`, saves the generator state on the host; it is exactly as
+deterministic, and cacheable there, but not safe inside CUDA graphs. So, where the graph-safe op is the uncacheable
+one and the blocks are not replayed from CUDA graphs, `install` turns torch's graph-safe RNG functionalisation off
+for the process (`remove` restores it). Nothing changes numerically: the same RNG state is restored either way (and
+with dropout at 0 no random number is drawn at all).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+GRAD_HOOKS = "_flux_kernels_grad_hooks"  # img_in / txt_in forward hooks: one compiled double-block variant
+_saved: list[bool] = []  # the setting before `prefer_cacheable_rng` changed it (empty when it changed nothing)
+
+
+def _hops():
+    from torch._prims import rng_prims
+
+    return rng_prims.graphsafe_run_with_rng_state, (rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state)
+
+
+def graphsafe_rng_blocks_cache() -> bool:
+    """Whether this torch would bypass the FX graph cache for a checkpointed graph with a seeded op (see above)."""
+    graphsafe, plain = _hops()
+    return not graphsafe.cacheable() and all(op.cacheable() for op in plain)
+
+
+def prefer_cacheable_rng(cuda_graphs: bool) -> str | None:
+    """Turn the graph-safe RNG functionalisation off where it is what keeps checkpointed graphs out of the cache
+    and CUDA graphs do not need it. Returns a note for the install line, or None when nothing changed."""
+    from torch._functorch import config
+
+    if cuda_graphs or not config.graphsafe_rng_functionalization or not graphsafe_rng_blocks_cache():
+        return None
+    _saved.append(config.graphsafe_rng_functionalization)
+    config.graphsafe_rng_functionalization = False
+    return "checkpointed blocks' RNG state saved on the host (cacheable on this torch)"
+
+
+def restore() -> bool:
+    """Put torch's setting back as it was before `prefer_cacheable_rng`; True when there was something to undo."""
+    from torch._functorch import config
+
+    if not _saved:
+        return False
+    config.graphsafe_rng_functionalization = _saved[0]
+    _saved.clear()
+    return True
+
+
+def install(model: nn.Module, **opts) -> str:
+    """`block.compile(**opts)` per block (compiles at first call, one graph per block kind and shape; numerically
+    the same program, fused by inductor)."""
+    from flux_kernels.patch import find_blocks
+
+    double, single = find_blocks(model)
+    for b in double + single:
+        b.compile(**opts)
+    chosen = {**torch._inductor.list_mode_options(opts.get("mode") or "default"), **(opts.get("options") or {})}
+    graphs = bool(chosen.get("triton.cudagraphs"))
+    notes = [n for n in (prefer_cacheable_rng(cuda_graphs=graphs), _one_double_variant(model, double)) if n]
+    return f"compile_blocks: {len(double)} double + {len(single)} single blocks" + "".join(f" ({n})" for n in notes)
+
+
+def remove(model: nn.Module) -> list[str]:
+    """Undo `install`: the blocks run uncompiled, the hooks go, torch's RNG setting is put back."""
+    from flux_kernels.patch import block_kind
+
+    undone = ["compile_rng"] if restore() else []
+    for handle in model.__dict__.pop(GRAD_HOOKS, []):
+        handle.remove()
+    for b in model.modules():
+        if getattr(b, "_compiled_call_impl", None) is not None and block_kind(b):
+            b._compiled_call_impl = None
+            undone.append("compile")
+    return undone
+
+
+def _trainable(block: nn.Module) -> bool:
+    from flux_kernels import lora_norms
+
+    return any(p.requires_grad for m in (block, *lora_norms.lora_modules(block)) for p in m.parameters())
+
+
+def _inputs_need_grad(module: nn.Module, args: tuple, out):
+    if torch.is_grad_enabled() and isinstance(out, Tensor) and out.is_floating_point() and not out.requires_grad:
+        return out.requires_grad_()  # a leaf here: frozen embedder, inputs without grad
+    return out
+
+
+def _one_double_variant(model: nn.Module, double: list[nn.Module]) -> str | None:
+    """The first double block's img / txt come from frozen embedders (img_in, txt_in) and need no grad, while every
+    later block's come from a block with a LoRA: torch.compile guards on requires_grad, so it would build and load
+    the double block twice (on the H200 a second pair of graphs in every run: ~1.7 s of a warm first step, a whole
+    compile of a cold one). Where the first block trains, its inputs are marked as needing grad; the cost is one
+    small input gradient ([B, L, hidden]) in that block's backward."""
+    embedders = [m for m in (getattr(model, name, None) for name in ("img_in", "txt_in")) if isinstance(m, nn.Module)]
+    if not double or not embedders or not _trainable(double[0]):
+        return None
+    model.__dict__[GRAD_HOOKS] = [m.register_forward_hook(_inputs_need_grad) for m in embedders]
+    return "one double-block graph: the first block's inputs require grad"

@@ -1,0 +1,131 @@
+"""flux_kernels.compile_blocks: graph-safe RNG functionalisation is turned off only where it is what keeps
+checkpointed compiled graphs out of the FX graph cache and no CUDA graphs need it, and is put back on removal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._functorch import config as functorch_config
+from torch._prims import rng_prims
+
+from flux_kernels import compile_blocks, patch
+
+
+@pytest.fixture
+def graphsafe_uncacheable(monkeypatch):
+    """This torch as 2.11 is: the graph-safe RNG op not cacheable, the host-state ones cacheable."""
+    monkeypatch.setattr(rng_prims.graphsafe_run_with_rng_state, "cacheable", lambda: False)
+    monkeypatch.setattr(rng_prims.run_and_save_rng_state, "cacheable", lambda: True)
+    monkeypatch.setattr(rng_prims.run_with_rng_state, "cacheable", lambda: True)
+    monkeypatch.setattr(functorch_config, "graphsafe_rng_functionalization", True)
+    yield
+    compile_blocks.restore()
+
+
+def test_turned_off_only_where_it_blocks_the_cache_and_no_cuda_graphs(graphsafe_uncacheable, monkeypatch):
+    assert compile_blocks.graphsafe_rng_blocks_cache()
+    assert compile_blocks.prefer_cacheable_rng(cuda_graphs=True) is None  # CUDA graphs need the graph-safe op
+    assert functorch_config.graphsafe_rng_functionalization is True
+    assert "cacheable" in compile_blocks.prefer_cacheable_rng(cuda_graphs=False)
+    assert functorch_config.graphsafe_rng_functionalization is False
+    assert compile_blocks.restore() and functorch_config.graphsafe_rng_functionalization is True
+    assert not compile_blocks.restore()  # nothing left to undo
+
+    monkeypatch.setattr(rng_prims.graphsafe_run_with_rng_state, "cacheable", lambda: True)  # a torch that caches it
+    assert not compile_blocks.graphsafe_rng_blocks_cache()
+    assert compile_blocks.prefer_cacheable_rng(cuda_graphs=False) is None
+    assert functorch_config.graphsafe_rng_functionalization is True
+
+
+def test_this_torch_as_installed_decides_by_its_own_flags():
+    """No stand-ins: the decision reads the installed torch's operators (2.13 caches the graph-safe op)."""
+    graphsafe, plain = rng_prims.graphsafe_run_with_rng_state, rng_prims.run_and_save_rng_state
+    assert compile_blocks.graphsafe_rng_blocks_cache() == (not graphsafe.cacheable() and plain.cacheable())
+
+
+class Block(nn.Module):
+    """The attributes find_blocks recognises a single-stream block by; never called here."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear1, self.linear2, self.pre_norm = (
+            nn.Linear(4, 4),
+            nn.Linear(4, 4),
+            nn.LayerNorm(4, elementwise_affine=False),
+        )
+        self.modulation, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+        self.mlp_act, self.hidden_size, self.mlp_hidden_dim, self.num_heads = nn.GELU(), 4, 4, 1
+
+    def _forward(self, x, vec, pe, txt_attention_mask=None):
+        return x
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.single_blocks = nn.ModuleList([Block(), Block()])
+
+
+def test_install_compile_says_so_and_remove_kernels_restores(graphsafe_uncacheable):
+    model = Model()
+    if not patch.find_blocks(model)[1]:
+        pytest.fail("the stand-in block is not recognised as a single-stream block")
+    line = compile_blocks.install(model, mode="reduce-overhead")  # CUDA graphs: left as it is
+    assert "RNG" not in line and functorch_config.graphsafe_rng_functionalization is True
+    patch.remove_kernels(model)
+    line = compile_blocks.install(model)
+    assert "RNG state saved on the host" in line and functorch_config.graphsafe_rng_functionalization is False
+    assert "compile_rng" in patch.remove_kernels(model)
+    assert functorch_config.graphsafe_rng_functionalization is True
+
+
+def test_one_compiled_double_block_graph_for_every_double_block(fm):
+    """sd-scripts' Flux (tiny, 3 double + 1 single blocks) with sd-scripts' LoRA: compiled block by block as such,
+    the first double block (inputs from the frozen img_in / txt_in, no grad) gets a graph of its own, the others
+    another (torch.compile guards on requires_grad); through `install`, one graph serves all of them, and the
+    LoRA's gradients are the same."""
+    import dataclasses
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    from flux_trainer.random_specs import PRESETS
+
+    lora_flux = importlib.import_module("networks.lora_flux")
+    shapes = {**PRESETS["tiny"]["flux"], "depth": 3, "depth_single_blocks": 1}
+
+    def train_once(use_install: bool) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = fm.Flux(dataclasses.replace(fm.configs["dev"].params, **shapes)).requires_grad_(False)
+        net = lora_flux.create_network(1.0, 4, 4, None, [None, None], model)
+        net.apply_to([], model, apply_text_encoder=False, apply_unet=True)
+        for p in net.parameters():  # lora_up starts at zero: give it values so every gradient is non-trivial
+            p.data = 0.05 * torch.randn_like(p)
+        if use_install:
+            assert "one double-block graph" in compile_blocks.install(model)
+        else:
+            for b in [*model.double_blocks, *model.single_blocks]:
+                b.compile()
+        torch._dynamo.reset()
+        graphs = counters["stats"]["unique_graphs"]
+        g = torch.Generator().manual_seed(1)
+        img, txt = torch.randn(1, 16, 64, generator=g), torch.randn(1, 8, 64, generator=g)
+        ids = torch.zeros(1, 16, 3), torch.zeros(1, 8, 3)
+        y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
+        out = model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance)
+        out.square().mean().backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        compile_blocks.remove(model)
+        assert not any(m._forward_hooks for m in (model.img_in, model.txt_in))
+        return counters["stats"]["unique_graphs"] - graphs, grads
+
+    try:
+        plain_graphs, plain_grads = train_once(use_install=False)
+        graphs, grads = train_once(use_install=True)
+    finally:
+        torch._dynamo.reset()
+    assert plain_graphs == 3  # double (first), double (the others), single
+    assert graphs == 2
+    for a, b in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
