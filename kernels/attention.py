@@ -8,6 +8,7 @@ pass and is never selected for training.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -50,8 +51,23 @@ class AttentionBackend:
     cuda_only: bool = True
     trainable: bool = True
     note: str = ""
-    compilable: bool = False  # runs inside torch.compile'd code without a graph break (SDPA under `sdpa_kernel`)
     quadratic: bool = False  # materialises the [B, H, L, L] attention weights (memory grows with L^2)
+    sdpa_kind: str | None = None  # an SDPA backend (SDPBackend member name): compiled code gets it from outside
+
+    @property
+    def compilable(self) -> bool:
+        """Usable by compiled blocks: PyTorch's SDPA, with the backend set around the compiled call."""
+        return self.name == "sdpa" or self.sdpa_kind is not None
+
+    def backend_context(self) -> contextlib.AbstractContextManager:
+        """The SDPA backend switch to hold around a compiled block's call (traced under it, the graph calls that
+        backend's op). Entering `sdpa_kernel` inside traced code would work too, but puts a call torch's
+        AOTAutograd cache cannot key into the graph: every such graph bypassed that cache, in every run."""
+        if self.sdpa_kind is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([getattr(SDPBackend, self.sdpa_kind)])
 
 
 @dataclass(frozen=True)
@@ -106,13 +122,11 @@ def _sage(q, k, v, mask):
 BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
     for b in (
-        AttentionBackend(
-            "sdpa", _default_sdpa, cuda_only=False, note="PyTorch's own choice (sd-scripts' path)", compilable=True
-        ),
-        AttentionBackend("sdpa_cudnn", _sdpa("CUDNN_ATTENTION"), compilable=True),
-        AttentionBackend("sdpa_flash", _sdpa("FLASH_ATTENTION"), cuda_only=False, compilable=True),
-        AttentionBackend("sdpa_efficient", _sdpa("EFFICIENT_ATTENTION"), compilable=True),
-        AttentionBackend("sdpa_math", _sdpa("MATH"), cuda_only=False, compilable=True, quadratic=True),
+        AttentionBackend("sdpa", _default_sdpa, cuda_only=False, note="PyTorch's own choice (sd-scripts' path)"),
+        AttentionBackend("sdpa_cudnn", _sdpa("CUDNN_ATTENTION"), sdpa_kind="CUDNN_ATTENTION"),
+        AttentionBackend("sdpa_flash", _sdpa("FLASH_ATTENTION"), cuda_only=False, sdpa_kind="FLASH_ATTENTION"),
+        AttentionBackend("sdpa_efficient", _sdpa("EFFICIENT_ATTENTION"), sdpa_kind="EFFICIENT_ATTENTION"),
+        AttentionBackend("sdpa_math", _sdpa("MATH"), cuda_only=False, quadratic=True, sdpa_kind="MATH"),
         AttentionBackend("xformers", _xformers, requires="xformers"),
         AttentionBackend("flash_attn", _flash_attn, requires="flash_attn"),
         AttentionBackend("sage", _sage, requires="sageattention", trainable=False, note=SAGE_REASON),
@@ -381,9 +395,14 @@ class AttentionDispatch:
             self.run_line += f"; compiled blocks use sdpa ({name} is not compiled)"
         return self.run_choice
 
+    def compiled_context(self) -> contextlib.AbstractContextManager:
+        """Held around every call of a compiled block (flux_kernels.compile_blocks): the run's SDPA backend, which
+        the traced code then calls (it uses plain SDPA itself)."""
+        return self.backends.get(self.run_choice or "sdpa", BACKENDS["sdpa"]).backend_context()
+
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         if torch.compiler.is_compiling():
-            name = self.run_choice or "sdpa"
+            name = "sdpa"  # the run's backend is set around the compiled call: compiled_context
         else:
             name = self.choice.get(self.key(q, k, mask))
             if name is None:

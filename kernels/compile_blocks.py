@@ -17,6 +17,8 @@ with dropout at 0 no random number is drawn at all).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -67,10 +69,26 @@ def install(model: nn.Module, **opts) -> str:
     double, single = find_blocks(model)
     for b in double + single:
         b.compile(**opts)
+        _hold_run_backend(b)
     chosen = {**torch._inductor.list_mode_options(opts.get("mode") or "default"), **(opts.get("options") or {})}
     graphs = bool(chosen.get("triton.cudagraphs"))
     notes = [n for n in (prefer_cacheable_rng(cuda_graphs=graphs), _one_double_variant(model, double)) if n]
     return f"compile_blocks: {len(double)} double + {len(single)} single blocks" + "".join(f" ({n})" for n in notes)
+
+
+def _hold_run_backend(block: nn.Module) -> None:
+    """Call the compiled block inside the run's SDPA backend switch (flux_kernels.attention: the backend the probe
+    chose at the run's shape), looked up at each call, so traced code gets the backend without a switch of its own."""
+    from flux_kernels.patch import ATTR
+
+    compiled = block._compiled_call_impl
+
+    def call(*args, **kwargs):
+        dispatch = getattr(getattr(block, ATTR, None), "attention", None)
+        with dispatch.compiled_context() if dispatch is not None else contextlib.nullcontext():
+            return compiled(*args, **kwargs)
+
+    block._compiled_call_impl = call
 
 
 def remove(model: nn.Module) -> list[str]:

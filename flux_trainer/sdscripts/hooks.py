@@ -338,7 +338,7 @@ class CacheBypassReasons(logging.Filter):
         cache, prefix = CACHE_BYPASS_LOGGERS.get(record.name, ("", "\0"))
         message = record.getMessage()
         if message.startswith(prefix):
-            reason = f"{cache}: " + message[len(prefix) :].strip(" :'")
+            reason = f"{cache}: " + " ".join(message[len(prefix) :].split()).strip(" :'")  # torch's has newlines
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
         return record.levelno >= self._shown.get(record.name, logging.NOTSET)
 

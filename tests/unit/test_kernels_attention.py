@@ -3,6 +3,7 @@ reason, unavailable ones say why, SageAttention is never chosen; the cache key m
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -141,15 +142,16 @@ def _counting(calls):
 
 
 def test_traced_code_uses_the_run_choice_and_nothing_else(tmp_path, monkeypatch):
-    """Compiled code never probes and reads one attribute, `run_choice`, which `decide_run` sets at the run's real
-    shape; it is then used at every shape. A choice made eagerly at another shape (verify_blocks at a tiny shape,
-    where the math backend may win) never reaches traced code: math at 4608 tokens materialises [B, H, L, L]
-    fp32 weights per block."""
+    """Compiled code never probes and calls plain SDPA; the run's backend, which `decide_run` chose at the run's
+    real shape, is switched on around the compiled call (`compiled_context`), for every shape. A choice made eagerly
+    at another shape (verify_blocks at a tiny shape, where the math backend may win) never reaches compiled code:
+    math at 4608 tokens materialises [B, H, L, L] fp32 weights per block."""
     calls = []
-    backends = {"counting": AttentionBackend("counting", _counting(calls), cuda_only=False, compilable=True)}
+    backends = {"counting": AttentionBackend("counting", _counting(calls), cuda_only=False, sdpa_kind="MATH")}
     dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
     tiny = [torch.randn(SHAPE) for _ in range(3)]
     dispatch(*tiny, None)  # eager: probes, chooses "counting" at SHAPE
+    assert dispatch.choice and isinstance(dispatch.compiled_context(), contextlib.nullcontext)  # no run choice yet
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     big = [torch.randn(1, 2, 47, 16) for _ in range(3)]
     calls.clear()
@@ -158,12 +160,13 @@ def test_traced_code_uses_the_run_choice_and_nothing_else(tmp_path, monkeypatch)
     assert calls == [] and torch.allclose(out, F.scaled_dot_product_attention(*big), atol=1e-5)  # PyTorch's own
     assert dispatch.decide_run(big[0].shape, torch.float32, "cpu", False) == "counting"
     assert dispatch.run_line == "counting at (1, 2, 47, 16) float32 mask=False"
-    calls.clear()
-    other = [torch.randn(1, 2, 20, 16) for _ in range(3)]
-    dispatch(*big, None)
-    dispatch(*other, None)
-    assert calls == [(1, 2, 47, 16), (1, 2, 20, 16)]  # every traced shape, no probe at the second one
-    assert len(dispatch.choice) == 2
+    calls.clear()  # the probe at the run's shape ran the backend
+    assert torch.backends.cuda.flash_sdp_enabled()
+    with dispatch.compiled_context():  # the math backend alone, as the chosen backend's sdpa_kind says
+        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+        dispatch(*big, None)
+    assert torch.backends.cuda.flash_sdp_enabled()  # put back after the call
+    assert calls == [] and len(dispatch.choice) == 2  # traced code calls no backend itself, probes nothing
 
 
 def test_a_backend_that_does_not_compile_is_kept_out_of_compiled_code(tmp_path, monkeypatch):
@@ -185,7 +188,7 @@ def test_calls_away_from_the_training_device_probe_nothing(tmp_path, caplog):
     """verify_blocks runs the patched blocks on tiny inputs wherever the model is (the CPU, before it moves to
     the GPU): no probe there (it used to log 'sdpa_math ... sdpa_cudnn: needs CUDA' for a GPU run), PyTorch's SDPA."""
     calls = []
-    backends = {"counting": AttentionBackend("counting", _counting(calls), cuda_only=False, compilable=True)}
+    backends = {"counting": AttentionBackend("counting", _counting(calls), cuda_only=False, sdpa_kind="MATH")}
     dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
     dispatch.device = torch.device("cuda", 0)  # the run's device; the inputs below are on the CPU
     q, k, v = (torch.randn(SHAPE) for _ in range(3))

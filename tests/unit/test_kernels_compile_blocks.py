@@ -129,3 +129,80 @@ def test_one_compiled_double_block_graph_for_every_double_block(fm):
     assert graphs == 2
     for a, b in zip(grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _tiny_flux_with(fm, names: list[str], choice: str | None, options: dict):
+    """sd-scripts' tiny Flux with flux_kernels `names` installed; `choice` stands in for the attention probe's
+    verdict at the run's shape (1, 2, 24, 128) float32 (the probe itself is timing, not what is tested here)."""
+    import dataclasses
+
+    from flux_kernels import registry
+    from flux_trainer.random_specs import PRESETS
+
+    torch.manual_seed(0)
+    model = fm.Flux(dataclasses.replace(fm.configs["dev"].params, **PRESETS["tiny"]["flux"]))
+    model.requires_grad_(False).img_in.requires_grad_(True)
+    patch.apply_kernels(model, registry.unchecked(names), options=options, verify=False)
+    dispatch = model.double_blocks[0]._flux_kernels.attention
+    if choice is not None:
+        dispatch.choice[dispatch.shape_key((1, 2, 24, 128), torch.float32, "cpu", False)] = choice
+    return model
+
+
+def _train_step(model) -> None:
+    g = torch.Generator().manual_seed(1)
+    img, txt = torch.randn(1, 16, 64, generator=g), torch.randn(1, 8, 64, generator=g)
+    ids = torch.zeros(1, 16, 3), torch.zeros(1, 8, 3)
+    y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
+    out = model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance)
+    out.square().mean().backward()
+
+
+@pytest.mark.parametrize("choice, fused", [("sdpa_flash", True), ("sdpa_math", False)])
+def test_compiled_blocks_call_the_backend_the_probe_chose(fm, tmp_path, choice, fused):
+    """The run's attention backend reaches the compiled graphs (set around each compiled call): on the CPU the flash
+    backend is one fused op in the traced forward, the math backend is matmuls and a softmax."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    traced = []
+
+    def forward_compiler(gm, example_inputs):
+        traced.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    options = {
+        "attention": {"cache_path": tmp_path / "attention.json", "device": torch.device("cpu")},
+        "compile_blocks": {"backend": aot_autograd(fw_compiler=forward_compiler)},
+    }
+    model = _tiny_flux_with(fm, ["attention", "compile_blocks"], choice, options)
+    torch._dynamo.reset()
+    try:
+        _train_step(model)
+    finally:
+        patch.remove_kernels(model)
+        torch._dynamo.reset()
+    assert traced, "nothing was compiled"
+    assert any("_scaled_dot_product_flash_attention_for_cpu" in t for t in traced) == fused, sorted(set(traced))
+
+
+def test_compiled_blocks_with_a_chosen_backend_stay_in_the_autograd_cache(fm, tmp_path, monkeypatch):
+    """A backend switch inside traced code put a call the AOTAutograd cache cannot key into every graph (measured
+    on the H200: 'Unsupported call_function target ... _backend_from_string', 2 of 4 graphs bypassed in every run);
+    held around the compiled call instead, nothing bypasses."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    options = {"attention": {"cache_path": tmp_path / "attention.json", "device": torch.device("cpu")}}
+    model = _tiny_flux_with(fm, ["attention", "compile_blocks"], "sdpa_flash", options)
+    torch._dynamo.reset()
+    before = {k: counters["aot_autograd"][f"autograd_cache_{k}"] for k in ("bypass", "miss")}
+    try:
+        _train_step(model)
+    finally:
+        patch.remove_kernels(model)
+        torch._dynamo.reset()
+    assert counters["aot_autograd"]["autograd_cache_miss"] > before["miss"]  # the graphs went through the cache
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == before["bypass"]
