@@ -80,6 +80,15 @@ def test_install_compile_says_so_and_remove_kernels_restores(graphsafe_uncacheab
     assert functorch_config.graphsafe_rng_functionalization is True
 
 
+def _train_step(model) -> None:
+    g = torch.Generator().manual_seed(1)
+    img, txt = torch.randn(1, 16, 64, generator=g), torch.randn(1, 8, 64, generator=g)
+    ids = torch.zeros(1, 16, 3), torch.zeros(1, 8, 3)
+    y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
+    out = model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance)
+    out.square().mean().backward()
+
+
 def test_one_compiled_double_block_graph_for_every_double_block(fm):
     """sd-scripts' Flux (tiny, 3 double + 1 single blocks) with sd-scripts' LoRA: compiled block by block as such,
     the first double block (inputs from the frozen img_in / txt_in, no grad) gets a graph of its own, the others
@@ -109,12 +118,7 @@ def test_one_compiled_double_block_graph_for_every_double_block(fm):
                 b.compile()
         torch._dynamo.reset()
         graphs = counters["stats"]["unique_graphs"]
-        g = torch.Generator().manual_seed(1)
-        img, txt = torch.randn(1, 16, 64, generator=g), torch.randn(1, 8, 64, generator=g)
-        ids = torch.zeros(1, 16, 3), torch.zeros(1, 8, 3)
-        y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
-        out = model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance)
-        out.square().mean().backward()
+        _train_step(model)
         grads = [p.grad.clone() for p in net.parameters()]
         compile_blocks.remove(model)
         assert not any(m._forward_hooks for m in (model.img_in, model.txt_in))
@@ -147,15 +151,6 @@ def _tiny_flux_with(fm, names: list[str], choice: str | None, options: dict):
     if choice is not None:
         dispatch.choice[dispatch.shape_key((1, 2, 24, 128), torch.float32, "cpu", False)] = choice
     return model
-
-
-def _train_step(model) -> None:
-    g = torch.Generator().manual_seed(1)
-    img, txt = torch.randn(1, 16, 64, generator=g), torch.randn(1, 8, 64, generator=g)
-    ids = torch.zeros(1, 16, 3), torch.zeros(1, 8, 3)
-    y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
-    out = model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance)
-    out.square().mean().backward()
 
 
 @pytest.mark.parametrize("choice, fused", [("sdpa_flash", True), ("sdpa_math", False)])
