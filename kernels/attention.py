@@ -80,14 +80,16 @@ class BackendResult:
     chosen: bool = False
 
 
-def _sdpa(kind: str):
+def _sdpa_backend(name: str, kind: str, **options) -> AttentionBackend:
+    """PyTorch's SDPA restricted to one of its backends (`kind`, an SDPBackend member name)."""
+
     def run(q, k, v, mask):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([getattr(SDPBackend, kind)]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    return run
+    return AttentionBackend(name, run, sdpa_kind=kind, **options)
 
 
 def _default_sdpa(q, k, v, mask):
@@ -123,10 +125,10 @@ BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
     for b in (
         AttentionBackend("sdpa", _default_sdpa, cuda_only=False, note="PyTorch's own choice (sd-scripts' path)"),
-        AttentionBackend("sdpa_cudnn", _sdpa("CUDNN_ATTENTION"), sdpa_kind="CUDNN_ATTENTION"),
-        AttentionBackend("sdpa_flash", _sdpa("FLASH_ATTENTION"), cuda_only=False, sdpa_kind="FLASH_ATTENTION"),
-        AttentionBackend("sdpa_efficient", _sdpa("EFFICIENT_ATTENTION"), sdpa_kind="EFFICIENT_ATTENTION"),
-        AttentionBackend("sdpa_math", _sdpa("MATH"), cuda_only=False, quadratic=True, sdpa_kind="MATH"),
+        _sdpa_backend("sdpa_cudnn", "CUDNN_ATTENTION"),
+        _sdpa_backend("sdpa_flash", "FLASH_ATTENTION", cuda_only=False),
+        _sdpa_backend("sdpa_efficient", "EFFICIENT_ATTENTION"),
+        _sdpa_backend("sdpa_math", "MATH", cuda_only=False, quadratic=True),
         AttentionBackend("xformers", _xformers, requires="xformers"),
         AttentionBackend("flash_attn", _flash_attn, requires="flash_attn"),
         AttentionBackend("sage", _sage, requires="sageattention", trainable=False, note=SAGE_REASON),
@@ -267,8 +269,8 @@ def probe_attention(
     h = min(REF_HEADS, shape[1])
     head = (slice(None), slice(0, h))
     mask_h = None if mask is None else mask[head]
-    want = _fwd_bwd(_sdpa("MATH"), *(t[head].float() for t in (q, k, v, go)), mask_h)
-    base = _rel_err(_fwd_bwd(_sdpa("MATH"), *(t[head] for t in (q, k, v, go)), mask_h), want)
+    want = _fwd_bwd(BACKENDS["sdpa_math"].run, *(t[head].float() for t in (q, k, v, go)), mask_h)
+    base = _rel_err(_fwd_bwd(BACKENDS["sdpa_math"].run, *(t[head] for t in (q, k, v, go)), mask_h), want)
     tol = max(TOLERANCE.get(dtype, 2e-2), 3 * base)
     results = []
     for name, backend in backends.items():
