@@ -395,7 +395,23 @@ class AttentionDispatch:
         self.run_line = f"{name} at {tuple(shape)} {str(dtype).removeprefix('torch.')} mask={with_mask}"
         if self.run_choice != name:
             self.run_line += f"; compiled blocks use sdpa ({name} is not compiled)"
+        self._agree_with_rank_zero()
         return self.run_choice
+
+    def _agree_with_rank_zero(self) -> None:
+        """Several processes (one per GPU): each probed on its own GPU, and timing noise can make them choose
+        differently (cuDNN and PyTorch's own choice are within 2% on the H200); every rank takes rank 0's verdict, so
+        all of them run the same attention. A collective: every rank gets here at its model's first forward."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        verdict = [self.run_choice, self.run_line]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] != self.run_choice:
+            rank = dist.get_rank()
+            log.info("attention: rank %d uses rank 0's choice %s (its own: %s)", rank, verdict[0], self.run_choice)
+        self.run_choice, self.run_line = verdict
 
     def compiled_context(self) -> contextlib.AbstractContextManager:
         """Held around every call of a compiled block (flux_kernels.compile_blocks): the run's SDPA backend, which

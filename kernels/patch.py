@@ -241,10 +241,12 @@ def attention_shape(model: nn.Module, args: tuple, kwargs: dict):
 
 
 def _decide_attention(dispatch, model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook on the FLUX model: at its first real call, before any compiled block is traced, probe
-    attention at the run's shape (see AttentionDispatch). Eager, outside the compiled blocks; after that one
-    decision it only reads an attribute."""
-    if dispatch.run_choice is None and (found := attention_shape(model, args, kwargs)) is not None:
+    """Forward pre-hook on the FLUX model: at its first training call (grad enabled: a sample rendered before
+    training is at another shape, and with several GPUs only some ranks render one, while deciding is a collective),
+    before the training blocks are traced, probe attention at the run's shape (see AttentionDispatch). Eager,
+    outside the compiled blocks; after that one decision it only reads an attribute."""
+    ready = dispatch.run_choice is None and torch.is_grad_enabled()
+    if ready and (found := attention_shape(model, args, kwargs)) is not None:
         dispatch.decide_run(*found)
 
 

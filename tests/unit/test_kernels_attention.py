@@ -238,3 +238,32 @@ def test_a_backend_with_quadratic_memory_is_not_tried_at_long_sequences(tmp_path
                                                   use_cache=False, timer=lambda name, fn: 1.0)}  # fmt: skip
     assert results["sdpa"].chosen and not results["sdpa_math"].ok
     assert results["sdpa_math"].error.startswith("not tried at 33 tokens: it materialises [B, H, L, L] weights")
+
+
+def _decide_on_rank(rank: int, world: int, init: str, out_dir: str) -> None:
+    """One process of the test below: its own probe verdict (rank 0: math, rank 1: PyTorch's own), then decide_run."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        backends = {name: attention.BACKENDS[name] for name in ("sdpa", "sdpa_math")}
+        dispatch = AttentionDispatch(cache_path=None, backends=backends)
+        own = "sdpa_math" if rank == 0 else "sdpa"
+        dispatch.choice[dispatch.shape_key(SHAPE, torch.float32, "cpu", False)] = own
+        chosen_here = dispatch.decide_run(SHAPE, torch.float32, "cpu", False)
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump([own, chosen_here, dispatch.run_line], f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_uses_rank_zeros_attention_choice(tmp_path):
+    """Several processes: each probes its own GPU and may choose differently on timing noise; all take rank 0's."""
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.spawn(_decide_on_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=world)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert [own for own, _, _ in got] == ["sdpa_math", "sdpa"]  # they measured differently
+    assert [chosen for _, chosen, _ in got] == ["sdpa_math", "sdpa_math"]
+    assert got[1][2] == got[0][2] and got[0][2].startswith("sdpa_math at (1, 2, 33, 16)")

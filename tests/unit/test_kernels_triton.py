@@ -214,7 +214,7 @@ def test_patched_block_traces_without_graph_breaks(dev, fm):
     block(*args)  # eager: probes this shape
     dispatch = block._flux_kernels.attention
     assert len(dispatch.choice) == 1
-    (key, name), = dispatch.choice.items()
+    ((key, name),) = dispatch.choice.items()
     assert dispatch.decide_run(key[0], torch.float32, dev, True) == name  # every SDPA backend compiles
     explained = torch._dynamo.explain(block.forward)(*args)
     assert explained.graph_break_count == 0, explained.break_reasons
@@ -340,9 +340,10 @@ def test_interpreter_works_when_triton_was_imported_before_it_was_switched_on():
 
 
 def test_attention_is_probed_at_the_first_real_forward_of_the_flux_model(fm, tmp_path):
-    """sd-scripts' Flux with the attention kernel: the run's backend is not decided at install; the model's first
-    forward probes at its real shape, image plus text tokens, before any block runs (so before compiled blocks
-    are traced), and only once; remove_kernels drops the hook."""
+    """sd-scripts' Flux with the attention kernel: the run's backend is not decided at install, nor by a sample
+    rendered before training (no grad); the model's first training forward probes at its real shape, image plus
+    text tokens, before any block runs (so before compiled blocks are traced), and only once; remove_kernels drops
+    the hook."""
     from flux_trainer.random_specs import PRESETS
 
     torch.manual_seed(0)
@@ -357,11 +358,13 @@ def test_attention_is_probed_at_the_first_real_forward_of_the_flux_model(fm, tmp
         img, txt = torch.randn(1, img_tokens, 64, generator=g), torch.randn(1, txt_tokens, 64, generator=g)
         ids = torch.zeros(1, img_tokens, 3), torch.zeros(1, txt_tokens, 3)
         m = torch.ones(1, txt_tokens, dtype=torch.bool) if mask else None
-        with torch.no_grad():
-            y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
-            return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance,
-                         txt_attention_mask=m)  # fmt: skip
+        y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
+        return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance,
+                     txt_attention_mask=m)  # fmt: skip
 
+    with torch.no_grad():  # a sample before training: another shape, and not every rank renders one
+        forward(40, 8, mask=False)
+    assert patch.attention_decision(model) is None and dispatch.run_choice is None
     out = forward(16, 8, mask=True)
     assert torch.isfinite(out).all()
     line = patch.attention_decision(model)
