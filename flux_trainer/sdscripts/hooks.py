@@ -36,6 +36,7 @@ class RunHooks:
         self._max_steps = 0
         self._optimizer_kernels: list[str] = []
         self._bypass_reasons: CacheBypassReasons | None = None
+        self._compile_cache = ""  # the cache line after the first step (log and TensorBoard's run/compile_cache)
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -120,7 +121,7 @@ class RunHooks:
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
         if "compile_blocks" in self.kernels_installed and global_step == COMPILE_CHECKED_AT:
-            report_compile_cache(self._bypass_reasons.reasons if self._bypass_reasons else None)
+            self._compile_cache = report_compile_cache(self._bypass_reasons.reasons if self._bypass_reasons else None)
         if "cuda_graphs" in self.kernels_installed and global_step == GRAPHS_CHECKED_AT:
             self.report_cudagraph_skips()
         if self.metrics is None:
@@ -198,6 +199,8 @@ class RunHooks:
             from flux_kernels.patch import attention_decision
 
             texts["attention"] = attention_decision(self._unet) or "no decision yet (no forward at a FLUX shape)"
+        if self._compile_cache:
+            texts["compile_cache"] = self._compile_cache
         write_run_text(logdir, texts)
         if (self.run_dir / "config.yaml").exists():
             import yaml
@@ -343,22 +346,22 @@ class CacheBypassReasons(logging.Filter):
         return record.levelno >= self._shown.get(record.name, logging.NOTSET)
 
 
-def report_compile_cache(bypass_reasons: dict[str, int] | None = None) -> None:
+def report_compile_cache(bypass_reasons: dict[str, int] | None = None) -> str:
     """After the first step: how much of the compiling came from the cache (a second run of the same shapes
-    should be all hits), and why some of it cannot be cached (torch's reasons, when they were collected)."""
+    should be all hits), and why some of it cannot be cached (torch's reasons, when they were collected).
+    Logged, and returned for TensorBoard."""
     c = compile_cache_counts()
-    line = ", ".join(
+    line = "torch.compile cache: " + ", ".join(
         f"{n} {c[n + '_hit']} hit / {c[n + '_miss']} miss / {c[n + '_bypass']} bypass" for n in ("inductor", "autograd")
     )
     if c["inductor_bypass"] or c["autograd_bypass"]:
         why = "; ".join(f"{reason} ({n}x)" for reason, n in (bypass_reasons or {}).items())
-        log.warning(
-            "torch.compile cache: %s; a bypassed graph is compiled anew in every run (%s)",
-            line,
-            f"torch says: {why}" if why else "TORCH_LOGS=aot,inductor says why",
-        )
+        why = f"torch says: {why}" if why else "TORCH_LOGS=aot,inductor says why"
+        line += f"; a bypassed graph is compiled anew in every run ({why})"
+        log.warning(line)
     else:
-        log.info("torch.compile cache: %s", line)
+        log.info(line)
+    return line
 
 
 def cudagraph_skips() -> int:

@@ -144,3 +144,31 @@ def test_run_texts_name_the_attention_backend_chosen_at_the_runs_shape(tmp_path,
     texts = read_texts(tmp_path / "tb")
     assert texts["run/attention"] == f"{name} at (1, 2, 24, 128) float32 mask=False"
     assert texts["run/kernels"] == "attention, compile_blocks"
+    assert "run/compile_cache" not in texts  # before the first step's report
+
+
+def test_run_texts_carry_the_compile_cache_line_of_the_first_step(tmp_path, monkeypatch):
+    """TensorBoard's run/compile_cache: the line the log has after the first step, torch's reasons included."""
+    from torch._dynamo.utils import counters
+
+    from flux_trainer.metrics.tensorboard import read_texts
+    from flux_trainer.sdscripts import hooks
+
+    for key, n in (("fxgraph_cache_hit", 6), ("fxgraph_cache_miss", 1), ("fxgraph_cache_bypass", 2)):
+        monkeypatch.setitem(counters["inductor"], key, n)
+    for key in ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"):
+        monkeypatch.setitem(counters["aot_autograd"], key, 0)
+
+    class Tracked(FakeAccelerator):
+        def get_tracker(self, *_a, **_k):
+            return SimpleNamespace(log_dir=str(tmp_path / "tb"))
+
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    h.spec.metrics = {"enabled": False}
+    h.kernels_installed = ["compile_blocks"]
+    h._bypass_reasons = SimpleNamespace(reasons={"inductor: Can't cache X": 2})
+    h.step_end(Tracked(), {}, hooks.COMPILE_CHECKED_AT)
+    h.write_run_texts(Tracked())
+    line = read_texts(tmp_path / "tb")["run/compile_cache"]
+    assert line.startswith("torch.compile cache: inductor 6 hit / 1 miss / 2 bypass, autograd 0 hit")
+    assert line.endswith("(torch says: inductor: Can't cache X (2x))")
