@@ -71,3 +71,28 @@ def flux_block_pair(fm, hidden: int, heads: int, std: float):
     for name, p in model.named_parameters():
         p.data = (1 + 0.1 * torch.randn_like(p)) if name.endswith("scale") else std * torch.randn_like(p)
     return model
+
+
+def tiny_flux(fm, **shapes):
+    """sd-scripts' Flux at flux-train's `tiny` preset (with `shapes` overriding it), seeded random weights."""
+    import dataclasses
+
+    import torch
+
+    from flux_trainer.random_specs import PRESETS
+
+    torch.manual_seed(0)
+    return fm.Flux(dataclasses.replace(fm.configs["dev"].params, **{**PRESETS["tiny"]["flux"], **shapes}))
+
+
+def tiny_flux_forward(model, img_tokens: int = 16, txt_tokens: int = 8, mask: bool = False, seed: int = 1):
+    """One call of a `tiny_flux` model on seeded random inputs (mask: an all-true T5 attention mask)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    img, txt = torch.randn(1, img_tokens, 64, generator=g), torch.randn(1, txt_tokens, 64, generator=g)
+    ids = torch.zeros(1, img_tokens, 3), torch.zeros(1, txt_tokens, 3)
+    m = torch.ones(1, txt_tokens, dtype=torch.bool) if mask else None
+    y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
+    return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance,
+                 txt_attention_mask=m)  # fmt: skip

@@ -10,6 +10,7 @@ from torch._functorch import config as functorch_config
 from torch._prims import rng_prims
 
 from flux_kernels import compile_blocks, patch
+from tests.conftest import tiny_flux, tiny_flux_forward
 
 
 @pytest.fixture
@@ -81,12 +82,7 @@ def test_install_compile_says_so_and_remove_kernels_restores(graphsafe_uncacheab
 
 
 def _train_step(model) -> None:
-    g = torch.Generator().manual_seed(1)
-    img, txt = torch.randn(1, 16, 64, generator=g), torch.randn(1, 8, 64, generator=g)
-    ids = torch.zeros(1, 16, 3), torch.zeros(1, 8, 3)
-    y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
-    out = model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance)
-    out.square().mean().backward()
+    tiny_flux_forward(model).square().mean().backward()
 
 
 def test_one_compiled_double_block_graph_for_every_double_block(fm):
@@ -94,19 +90,14 @@ def test_one_compiled_double_block_graph_for_every_double_block(fm):
     the first double block (inputs from the frozen img_in / txt_in, no grad) gets a graph of its own, the others
     another (torch.compile guards on requires_grad); through `install`, one graph serves all of them, and the
     LoRA's gradients are the same."""
-    import dataclasses
     import importlib
 
     from torch._dynamo.utils import counters
 
-    from flux_trainer.random_specs import PRESETS
-
     lora_flux = importlib.import_module("networks.lora_flux")
-    shapes = {**PRESETS["tiny"]["flux"], "depth": 3, "depth_single_blocks": 1}
 
     def train_once(use_install: bool) -> tuple[int, list[torch.Tensor]]:
-        torch.manual_seed(0)
-        model = fm.Flux(dataclasses.replace(fm.configs["dev"].params, **shapes)).requires_grad_(False)
+        model = tiny_flux(fm, depth=3, depth_single_blocks=1).requires_grad_(False)
         net = lora_flux.create_network(1.0, 4, 4, None, [None, None], model)
         net.apply_to([], model, apply_text_encoder=False, apply_unet=True)
         for p in net.parameters():  # lora_up starts at zero: give it values so every gradient is non-trivial
@@ -138,13 +129,9 @@ def test_one_compiled_double_block_graph_for_every_double_block(fm):
 def _tiny_flux_with(fm, names: list[str], choice: str | None, options: dict):
     """sd-scripts' tiny Flux with flux_kernels `names` installed; `choice` stands in for the attention probe's
     verdict at the run's shape (1, 2, 24, 128) float32 (the probe itself is timing, not what is tested here)."""
-    import dataclasses
-
     from flux_kernels import registry
-    from flux_trainer.random_specs import PRESETS
 
-    torch.manual_seed(0)
-    model = fm.Flux(dataclasses.replace(fm.configs["dev"].params, **PRESETS["tiny"]["flux"]))
+    model = tiny_flux(fm)
     model.requires_grad_(False).img_in.requires_grad_(True)
     patch.apply_kernels(model, registry.unchecked(names), options=options, verify=False)
     dispatch = model.double_blocks[0]._flux_kernels.attention

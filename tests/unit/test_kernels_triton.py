@@ -344,23 +344,16 @@ def test_attention_is_probed_at_the_first_real_forward_of_the_flux_model(fm, tmp
     rendered before training (no grad); the model's first training forward probes at its real shape, image plus
     text tokens, before any block runs (so before compiled blocks are traced), and only once; remove_kernels drops
     the hook."""
-    from flux_trainer.random_specs import PRESETS
+    from tests.conftest import tiny_flux, tiny_flux_forward
 
-    torch.manual_seed(0)
-    model = fm.Flux(dataclasses.replace(fm.configs["dev"].params, **PRESETS["tiny"]["flux"]))
+    model = tiny_flux(fm)
     options = {"attention": {"cache_path": tmp_path / "attention.json", "device": torch.device("cpu")}}
     assert patch.apply_kernels(model, unchecked(["attention"]), options=options) == ["attention"]
     dispatch = model.double_blocks[0]._flux_kernels.attention
     assert patch.attention_decision(model) is None and dispatch.run_choice is None
 
     def forward(img_tokens: int, txt_tokens: int, mask: bool):
-        g = torch.Generator().manual_seed(img_tokens)
-        img, txt = torch.randn(1, img_tokens, 64, generator=g), torch.randn(1, txt_tokens, 64, generator=g)
-        ids = torch.zeros(1, img_tokens, 3), torch.zeros(1, txt_tokens, 3)
-        m = torch.ones(1, txt_tokens, dtype=torch.bool) if mask else None
-        y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
-        return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance,
-                     txt_attention_mask=m)  # fmt: skip
+        return tiny_flux_forward(model, img_tokens, txt_tokens, mask, seed=img_tokens)
 
     with torch.no_grad():  # a sample before training: another shape, and not every rank renders one
         forward(40, 8, mask=False)
