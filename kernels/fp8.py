@@ -36,6 +36,7 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm: the contracted and the output dimension are multiples of 16
 ATTR = "_flux_fp8"
+SCALE = "_flux_fp8_scale"  # a quantised weight's row scales [N] fp32: a non-persistent buffer of its Linear
 
 
 def quantize_in_graph_from(env: Mapping[str, str] = os.environ) -> bool:
@@ -208,15 +209,18 @@ def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
 
 class Fp8Forward:
     """The frozen path of one Linear in fp8: a callable that replaces `Linear.forward`, or, where a LoRA module
-    wraps the Linear (sd-scripts' LoRAModule keeps the original as `org_forward`), that `org_forward`."""
+    wraps the Linear (sd-scripts' LoRAModule keeps the original as `org_forward`), that `org_forward`. A quantised
+    weight's row scales are a buffer of the Linear (SCALE), so they go wherever the model is moved: sd-scripts
+    loads the model on the CPU and moves it to the GPU after the kernels are installed, and a scale kept here
+    stayed behind (measured on the H200: a pageable host-to-device copy and a sync for each of the 228 fp8 matmuls
+    of a step, and compiled graphs with a CPU input cannot replay from CUDA graphs)."""
 
-    def __init__(self, linear: nn.Linear, scale: Tensor | None) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         self.linear = linear
-        self.scale = scale
 
     def __call__(self, x: Tensor) -> Tensor:
         lin = self.linear
-        return fp8_linear(x, lin.weight, self.scale, lin.bias)
+        return fp8_linear(x, lin.weight, lin._buffers.get(SCALE), lin.bias)
 
 
 def block_linears(blocks: list[nn.Module]) -> list[tuple[str, nn.Linear]]:
@@ -259,7 +263,6 @@ def install(blocks: list[nn.Module], *, quantize: bool, device: torch.device | N
             skipped += 1
             continue
         w = lin.weight
-        scale = None
         if w.dtype != E4M3:
             if not quantize:
                 skipped += 1
@@ -267,16 +270,16 @@ def install(blocks: list[nn.Module], *, quantize: bool, device: torch.device | N
             home = w.device
             w8, scale = quantize_weight(w.detach().to(device or home))
             lin.weight = nn.Parameter(w8.to(home), requires_grad=False)
-            scale = scale.to(home)
+            lin.register_buffer(SCALE, scale.to(home), persistent=False)
             quantized += 1
-        _route(lin, Fp8Forward(lin, scale))
+        _route(lin, Fp8Forward(lin))
         done += 1
     note = f"{quantized} weights quantised to e4m3 (one scale per row)" if quantized else "fp8 weights as stored"
     return done, skipped, note
 
 
 def uninstall(model: nn.Module) -> int:
-    """Give every routed Linear its previous forward back (quantised weights stay fp8)."""
+    """Give every routed Linear its previous forward back (quantised weights stay fp8, their scales with them)."""
     undone = 0
     for m in model.modules():
         state = m.__dict__.pop(ATTR, None)

@@ -216,6 +216,25 @@ def test_installed_in_sd_scripts_blocks_under_lora_matches_and_uninstalls(fm, lo
         assert torch.equal(again, want)  # back to sd-scripts' upcast path, bit for bit
 
 
+def test_quantised_weights_scales_move_with_the_model(fm, lora_flux):
+    """sd-scripts installs the kernels into a model on the CPU and moves it to the GPU afterwards: the row scales
+    must go with it (a scale left on the CPU meant a host copy and a sync per fp8 matmul, and no CUDA graphs)."""
+    model, loras = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
+    keys = set(model.state_dict())
+    patch.install_fp8(model, quantize=True)
+    linears = [lin for _, lin in fp8.block_linears([*model.double_blocks, *model.single_blocks])]
+    assert len(linears) == 10
+    assert all(lin._buffers[fp8.SCALE].dtype == torch.float32 for lin in linears)
+    assert set(model.state_dict()) == keys  # not written into a saved model
+    lin = model.single_blocks[0].linear2
+    x = torch.randn(3, lin.in_features)
+    before = fp8.Fp8Forward(lin)(x)
+    lin._buffers[fp8.SCALE].mul_(2)  # the forward reads the module's scales: doubled scales, doubled product
+    assert _rel(fp8.Fp8Forward(lin)(x) - lin.bias, 2 * (before - lin.bias)) <= FP8_TOLERANCE
+    model.to("meta")  # stands in for the move to the GPU: every tensor of the module goes, the scales too
+    assert all(lin._buffers[fp8.SCALE].device.type == "meta" for lin in linears)
+
+
 def test_auto_takes_fp8_only_on_an_fp8_base_and_a_named_request_quantises(fm, lora_flux, caplog):
     spec = REGISTRY["fp8_matmul"]
     auto = Selection(("fp8_matmul",), specs=(spec,), explicit=False)
