@@ -1,5 +1,3 @@
-
-
 def test_our_own_missing_module_is_not_a_pip_package():
     from flux_trainer.launch.failure import explain_failure
 
