@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,16 @@ def compose(workdir):
         return compose_run(list(overrides), [workdir / "configs"])
 
     return _compose
+
+
+@pytest.fixture
+def torch_config():
+    """Set torch.compile's options (inductor's, functorch's config modules) for one test through their own
+    `patch()`, undone at teardown: `torch_config(torch._inductor.config, fx_graph_cache=True)`. (With pytest's
+    monkeypatch.setattr instead, torch 2.11's inductor config said "fx_graph_cache does not exist" after the test,
+    and every later compile in the session failed; seen on the H200.)"""
+    with contextlib.ExitStack() as stack:
+        yield lambda module, **values: stack.enter_context(module.patch(**values))
 
 
 @pytest.fixture(scope="session")

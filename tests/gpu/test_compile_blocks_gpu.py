@@ -36,9 +36,9 @@ def cache_outcomes(tmp_path, monkeypatch) -> dict[str, int]:
     return {k: counters["inductor"][f"fxgraph_cache_{k}"] - before[k] for k in before}
 
 
-def test_checkpointed_attention_is_cached(tmp_path, monkeypatch):
+def test_checkpointed_attention_is_cached(tmp_path, monkeypatch, torch_config):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    torch_config(torch._inductor.config, fx_graph_cache=True)
     try:
         if compile_blocks.graphsafe_rng_blocks_cache():
             assert cache_outcomes(tmp_path, monkeypatch)["bypass"] > 0, "this torch was expected to bypass"

@@ -116,8 +116,11 @@ def test_every_registry_probe_passes_and_auto_installs_the_auto_set(dev):
     for spec in REGISTRY.values():
         result = probe(spec, dev)
         assert result.ok, (spec.name, result.reason)
-    assert select("auto", dev).installed == tuple(n for n, s in REGISTRY.items() if s.in_auto)
-    assert select(list(REGISTRY), dev).installed == tuple(REGISTRY)
+    for target in ("model", "optimizer"):  # the optimizer's kernels are selected once sd-scripts has built it
+        mine = [n for n, s in REGISTRY.items() if s.target == target]
+        assert mine, target
+        assert select("auto", dev, target=target).installed == tuple(n for n in mine if REGISTRY[n].in_auto)
+        assert select(list(REGISTRY), dev, target=target).installed == tuple(mine)
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
@@ -167,7 +170,9 @@ def test_full_size_blocks_patched_match_sd_scripts(dev, fm, mask):
     model = flux_blocks(fm, dev)
     blocks = {"double": model.double_blocks[0], "single": model.single_blocks[0]}
     want = {k: outs_and_grads(b, block_inputs(dev, k, mask=mask)) for k, b in blocks.items()}
-    names = [n for n in REGISTRY if n != "fp8_matmul"]  # fp8 would quantise this bf16 model: its own tests below
+    # not fp8_matmul (it would quantise this bf16 model: its own tests below), nor lora_grad_norms (no LoRA here: its
+    # own tests) or the optimizer's kernels
+    names = [n for n, s in REGISTRY.items() if s.target == "model" and n not in ("fp8_matmul", "lora_grad_norms")]
     assert patch.apply_kernels(model, select(names, dev)) == names  # verify_blocks ran inside
     try:
         for kind, block in blocks.items():
@@ -295,6 +300,30 @@ def test_fp8_base_blocks_compiled_with_checkpointing_match_the_upcast_path(dev, 
     finally:
         patch.remove_kernels(model)
         torch._dynamo.reset()
+
+
+def test_fp8_quantised_on_the_cpu_then_moved_runs_without_host_syncs(dev, fm):
+    """sd-scripts installs the kernels before it moves the model to the GPU: a quantised weight's row scales must
+    move with it (the first kernels=fp8 runs copied them from pageable host memory, a sync per fp8 matmul)."""
+    model = flux_block_pair(fm, 512, 4, 0.02).to(BF16).requires_grad_(False)
+    patch.install_fp8(model, quantize=True)
+    model.to(dev)
+    block = model.double_blocks[0]
+    gen = torch.Generator().manual_seed(0)
+    img, txt, vec = (
+        torch.randn(*s, generator=gen).to(dev, BF16).requires_grad_() for s in ((1, 64, 512), (1, 16, 512), (1, 512))
+    )
+    pe = reference.make_pe(1, 80, 128, device=dev, generator=gen)
+    with torch.autocast("cuda", dtype=BF16):
+        outs_and_grads(block, (img, txt, vec, pe))  # the first call builds fp8_mm's compiled quantisation
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = block(img, txt, vec, pe)
+            torch.autograd.grad(sum(o.float().square().sum() for o in out), [img, txt])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert all(t.is_cuda for _, lin in fp8.block_linears([block]) for t in lin._buffers.values())
 
 
 def test_fp8_compiled_blocks_keep_no_more_than_the_compiled_upcast_path(dev, fm, capsys):

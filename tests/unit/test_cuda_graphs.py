@@ -144,14 +144,13 @@ def test_compile_cache_outcomes_are_reported_after_the_first_step(tmp_path, monk
     assert caplog.records[-1].levelname == "WARNING"
 
 
-def test_cache_bypass_reasons_come_from_torch_itself(tmp_path, monkeypatch, caplog):
+def test_cache_bypass_reasons_come_from_torch_itself(tmp_path, monkeypatch, caplog, torch_config):
     """A graph that cannot be cached (a plain-function custom pass makes inductor bypass its FX graph cache):
     torch's own reason reaches the run log, and torch's INFO record, which the user did not ask for, is dropped."""
     import torch
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
-    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", lambda graph: None)
+    torch_config(torch._inductor.config, fx_graph_cache=True, post_grad_custom_post_pass=lambda graph: None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     codecache_log = logging.getLogger("torch._inductor.codecache")
     level_before = codecache_log.level

@@ -168,15 +168,15 @@ def test_compiled_blocks_call_the_backend_the_probe_chose(fm, tmp_path, choice, 
     assert any("_scaled_dot_product_flash_attention_for_cpu" in t for t in traced) == fused, sorted(set(traced))
 
 
-def test_compiled_blocks_with_a_chosen_backend_stay_in_the_autograd_cache(fm, tmp_path, monkeypatch):
+def test_compiled_blocks_with_a_chosen_backend_stay_in_the_autograd_cache(fm, tmp_path, monkeypatch, torch_config):
     """A backend switch inside traced code put a call the AOTAutograd cache cannot key into every graph (measured
     on the H200: 'Unsupported call_function target ... _backend_from_string', 2 of 4 graphs bypassed in every run);
     held around the compiled call instead, nothing bypasses."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    torch_config(torch._inductor.config, fx_graph_cache=True)
+    torch_config(torch._functorch.config, enable_autograd_cache=True)
     options = {"attention": {"cache_path": tmp_path / "attention.json", "device": torch.device("cpu")}}
     model = _tiny_flux_with(fm, ["attention", "compile_blocks"], "sdpa_flash", options)
     torch._dynamo.reset()
