@@ -63,11 +63,7 @@ class AttentionBackend:
         """The SDPA backend switch to hold around a compiled block's call (traced under it, the graph calls that
         backend's op). Entering `sdpa_kernel` inside traced code would work too, but puts a call torch's
         AOTAutograd cache cannot key into the graph: every such graph bypassed that cache, in every run."""
-        if self.sdpa_kind is None:
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([getattr(SDPBackend, self.sdpa_kind)])
+        return contextlib.nullcontext() if self.sdpa_kind is None else _sdpa_only(self.sdpa_kind)
 
 
 @dataclass(frozen=True)
@@ -80,13 +76,18 @@ class BackendResult:
     chosen: bool = False
 
 
+def _sdpa_only(kind: str) -> contextlib.AbstractContextManager:
+    """PyTorch's SDPA switched to one of its backends (`kind`, an SDPBackend member name) while held."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, kind)])
+
+
 def _sdpa_backend(name: str, kind: str, **options) -> AttentionBackend:
-    """PyTorch's SDPA restricted to one of its backends (`kind`, an SDPBackend member name)."""
+    """PyTorch's SDPA restricted to one of its backends (`kind`)."""
 
     def run(q, k, v, mask):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([getattr(SDPBackend, kind)]):
+        with _sdpa_only(kind):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     return AttentionBackend(name, run, sdpa_kind=kind, **options)
