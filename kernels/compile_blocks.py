@@ -72,8 +72,21 @@ def install(model: nn.Module, **opts) -> str:
         _hold_run_backend(b)
     chosen = {**torch._inductor.list_mode_options(opts.get("mode") or "default"), **(opts.get("options") or {})}
     graphs = bool(chosen.get("triton.cudagraphs"))
-    notes = [n for n in (prefer_cacheable_rng(cuda_graphs=graphs), _one_double_variant(model, double)) if n]
+    fused = _fused_ops(double + single)
+    # the host-side RNG variant with the fused ops' blocks: wrong gradients at a second shape on the H200, see TRACED
+    rng = prefer_cacheable_rng(cuda_graphs=graphs or bool(fused))
+    notes = [n for n in (rng, _one_double_variant(model, double)) if n]
+    if fused:
+        notes.append(f"{', '.join(fused)}: inductor's code inside the compiled blocks, see flux_kernels.fast.TRACED")
     return f"compile_blocks: {len(double)} double + {len(single)} single blocks" + "".join(f" ({n})" for n in notes)
+
+
+def _fused_ops(blocks: list[nn.Module]) -> list[str]:
+    """The fused Triton ops patched into these blocks (which take their reference path when traced)."""
+    from flux_kernels.patch import ATTR, BLOCK_OPS
+
+    ops = next((getattr(b, ATTR) for b in blocks if hasattr(b, ATTR)), None)
+    return [name for name in BLOCK_OPS if name != "attention" and ops is not None and getattr(ops, name)]
 
 
 def _hold_run_backend(block: nn.Module) -> None:

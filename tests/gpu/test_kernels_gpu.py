@@ -242,9 +242,12 @@ def test_compiled_patched_block_without_graph_breaks(dev, fm):
             eager = outs_and_grads(block, args)
             explained = torch._dynamo.explain(block.forward)(*args)
             assert explained.graph_break_count == 0, (kind, explained.break_reasons)
+            # after earlier tests compiled this block at other shapes, torch traces it with dynamic shapes: with the
+            # fused ops inside the graph, its gradients were wrong there (flux_kernels.fast.TRACED)
             block.compile()
             compiled = outs_and_grads(block, args)
-            assert all(rel(c, e) <= 2e-2 for c, e in zip(compiled, eager, strict=True)), kind
+            errors = [rel(c, e) for c, e in zip(compiled, eager, strict=True)]
+            assert max(errors) <= 2e-2, (kind, errors)
     finally:
         patch.remove_kernels(model)
         torch._dynamo.reset()
@@ -367,3 +370,28 @@ def test_l2_persisting_window_is_set_inside_and_removed_after(dev):
         assert (w.base_ptr, w.num_bytes, w.hitProp) == (x.data_ptr(), covered, l2.ACCESS_PERSISTING)
         assert w.hitRatio == pytest.approx(0.5)
     assert l2.stream_window(stream).num_bytes == 0
+
+
+def test_compile_blocks_with_the_fused_ops_at_two_shapes_match_eager(dev, fm):
+    """compile_blocks with the fused ops patched in: a double block that meets a second shape (another bucket)
+    matches the eager patched block (fused kernels) at both shapes, outputs and input gradients. With the fused ops
+    inside the compiled graphs the second shape's gradients were 26-44% off on the H200 (flux_kernels.fast.TRACED)."""
+    from flux_kernels import compile_blocks
+
+    model = flux_blocks(fm, dev)
+    patch.apply_kernels(model, unchecked(["qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention"]))
+    block = model.double_blocks[0].train()
+    block.enable_gradient_checkpointing()
+    shapes = [(512, 1024), (64, 256)]
+    eager = [outs_and_grads(block, block_inputs(dev, "double", lt=lt, li=li)) for lt, li in shapes]
+    torch._dynamo.reset()
+    try:
+        assert "inductor's code inside the compiled blocks" in compile_blocks.install(model)
+        for (lt, li), want in zip(shapes, eager, strict=True):
+            got = outs_and_grads(block, block_inputs(dev, "double", lt=lt, li=li))
+            errors = [rel(g, w) for g, w in zip(got, want, strict=True)]
+            assert max(errors) <= 2e-2, ((lt, li), errors)
+    finally:
+        compile_blocks.remove(model)
+        patch.remove_kernels(model)
+        torch._dynamo.reset()

@@ -81,6 +81,24 @@ def test_install_compile_says_so_and_remove_kernels_restores(graphsafe_uncacheab
     assert functorch_config.graphsafe_rng_functionalization is True
 
 
+def test_blocks_with_the_fused_ops_keep_the_graph_safe_rng(graphsafe_uncacheable):
+    """flux_kernels.fast.TRACED: on the H200 a compiled, checkpointed double block with the fused ops patched in had
+    wrong gradients at its second shape with the RNG state saved on the host, right ones with the graph-safe op."""
+    from flux_kernels.patch import ATTR, BlockOps
+
+    model = Model()
+    for b in model.single_blocks:
+        setattr(b, ATTR, BlockOps(modulate=True, gated_residual=True))
+    line = compile_blocks.install(model)
+    assert "RNG" not in line and functorch_config.graphsafe_rng_functionalization is True
+    assert "modulate, gated_residual: inductor's code inside the compiled blocks" in line
+    compile_blocks.remove(model)
+    for b in model.single_blocks:
+        setattr(b, ATTR, BlockOps())  # attention alone, as in kernels=auto: the cacheable variant
+    assert "RNG state saved on the host" in compile_blocks.install(model)
+    compile_blocks.remove(model)
+
+
 def _train_step(model) -> None:
     tiny_flux_forward(model).square().mean().backward()
 

@@ -192,6 +192,49 @@ def test_kernels_installed_into_sd_scripts_blocks_verify(dev, fm, monkeypatch):
     assert "_forward" not in model.single_blocks[0].__dict__
 
 
+def test_compiled_blocks_use_the_reference_for_the_fused_ops(dev, fm):
+    """fast.TRACED: inside compile_blocks' graphs the fused ops are the reference's code, which inductor compiles (a
+    double block with them, compiled for a second shape, gave wrong gradients on the H200); eager blocks keep the
+    fused kernels. Compiled at two shapes, the block gives the eager patched block's numbers at both."""
+    import torch._dynamo
+
+    from flux_kernels import compile_blocks
+
+    model = _model(fm, torch.float32).to(dev)
+    patch.apply_kernels(model, unchecked(["qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]), verify=False)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    block = model.double_blocks[0]
+    shapes = [(3, 5), (4, 9)]  # (text, image) tokens
+    eager = [outs_and_grads(block, a, leaves(a)) for a in (_double_inputs(dev, lt, li) for lt, li in shapes)]
+    torch._dynamo.reset()
+    try:
+        note = compile_blocks.install(model, backend=capture)
+        got = [outs_and_grads(block, a, leaves(a)) for a in (_double_inputs(dev, lt, li) for lt, li in shapes)]
+    finally:
+        compile_blocks.remove(model)
+        patch.remove_kernels(model)
+        torch._dynamo.reset()
+    assert graphs and not any("flux_kernels" in g for g in graphs)
+    assert "qk_norm_rope, modulate, gated_residual, gated_modulate: inductor's code inside the compiled" in note
+    for g, w in zip(got, eager, strict=True):
+        assert_close(g, w, torch.float32)
+
+
+def _double_inputs(dev, lt: int, li: int, hidden: int = 256):
+    gen = torch.Generator().manual_seed(lt * 100 + li)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dev).requires_grad_()
+
+    pe = reference.make_pe(1, lt + li, 128, device=dev, generator=gen)
+    return rnd(1, li, hidden), rnd(1, lt, hidden), rnd(1, hidden), pe, None
+
+
 def test_patched_block_traces_without_graph_breaks(dev, fm):
     """The kernels are custom ops: torch.compile (here its aot_eager backend) sees them as opaque calls."""
     import torch._dynamo
