@@ -86,7 +86,9 @@ def _fused_ops(blocks: list[nn.Module]) -> list[str]:
     from flux_kernels.patch import ATTR, BLOCK_OPS
 
     ops = next((getattr(b, ATTR) for b in blocks if hasattr(b, ATTR)), None)
-    return [name for name in BLOCK_OPS if name != "attention" and ops is not None and getattr(ops, name)]
+    if ops is None:
+        return []
+    return [name for name in BLOCK_OPS if name != "attention" and getattr(ops, name)]
 
 
 def _hold_run_backend(block: nn.Module) -> None:

@@ -73,11 +73,11 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _kernel(name: str, x: Tensor):
-    """The launcher of `name`: its custom op while torch.compile/export traces (or for tensor subclasses such as
-    fake tensors), the plain launcher in eager mode, where the dispatcher round trip would cost as much CPU time
-    as the kernel takes on the GPU."""
+    """The launcher of `name`: its custom op for tensor subclasses such as fake tensors, the plain launcher for
+    plain tensors, where the dispatcher round trip would cost as much CPU time as the kernel takes on the GPU.
+    (Traced code never gets here: the ops take their reference path there, TRACED.)"""
     launchers, ops = _ops_lib()
-    if torch.compiler.is_compiling() or type(x) not in _PLAIN:
+    if type(x) not in _PLAIN:
         return getattr(ops, name)
     return getattr(launchers, name)
 
