@@ -165,6 +165,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
             kernels={"set": cfg.kernels.set, "cuda_graphs": cuda_graphs, "cuda_graphs_asked": cuda_graphs_asked},
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
+            pin_memory=bool(cfg.train.pin_memory),
         )
         spec.write(run_dir)
         cmd = launch_command.launch_command(

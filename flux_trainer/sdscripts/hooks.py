@@ -69,6 +69,8 @@ class RunHooks:
         if self.kernels_installed or self.spec.kernels.get("set", "off") != "off":
             log.info("kernels installed: %s", ", ".join(self.kernels_installed) or "none")
         self._accelerator = accelerator
+        if getattr(self.spec, "pin_memory", True) and (line := pin_batches(accelerator)):
+            log.info(line)
         self._max_steps = int(getattr(args, "max_train_steps", 0) or 0)  # final by now (sd-scripts sets it earlier)
         if self.spec.metrics.get("profile_at"):
             from flux_trainer.metrics.profile import StepProfiler
@@ -207,6 +209,37 @@ class RunHooks:
 
             config = yaml.safe_load((self.run_dir / "config.yaml").read_text())
             write_hparams(logdir, config, {"loss/average": None, "time/step_s": None, "vram/peak_gib": None})
+
+
+def pin_batches(accelerator: Any) -> str | None:
+    """Have the training batches reach the GPU without stalling it: the next `accelerator.prepare` that gets a
+    DataLoader (sd-scripts builds it inside train(), then prepares it right after the model) first sets the
+    loader's `pin_memory` (its workers' batches land in page-locked memory) and accelerate's `non_blocking`
+    (DataLoaderShard then queues the copies instead of waiting for each). Without it, a profile at `vram80`
+    showed ~10 synchronous pageable copies per step, ~5 ms of an idle GPU. Returns the log line, or None off
+    CUDA or where this accelerate has no dataloader configuration."""
+    import torch
+
+    device = getattr(accelerator, "device", None)
+    config = getattr(accelerator, "dataloader_config", None)
+    if getattr(device, "type", None) != "cuda" or not hasattr(config, "non_blocking"):
+        return None
+    original, own = accelerator.prepare, "prepare" in vars(accelerator)
+
+    def prepare(*objects: Any, **kwargs: Any) -> Any:
+        loaders = [o for o in objects if isinstance(o, torch.utils.data.DataLoader)]
+        if loaders:  # once: the previous `prepare` from here on
+            if own:
+                accelerator.prepare = original
+            else:
+                del accelerator.prepare
+            for loader in loaders:
+                loader.pin_memory = True
+            config.non_blocking = True
+        return original(*objects, **kwargs)
+
+    accelerator.prepare = prepare
+    return f"batches: page-locked host memory, copied to {device} without waiting (train.pin_memory)"
 
 
 def run_peak_gib(device: Any) -> float:

@@ -37,6 +37,7 @@ class RunnerSpec:
     kernels: dict[str, Any] = field(default_factory=lambda: {"set": "off"})
     metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
     tf32: bool = False
+    pin_memory: bool = True  # train.pin_memory: pinned batches, non-blocking copies (hooks.pin_batches)
 
     def write(self, run_dir: Path) -> Path:
         path = run_dir / RUNNER_SPEC

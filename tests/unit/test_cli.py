@@ -12,6 +12,7 @@ import pytest
 import tomli
 
 from flux_trainer.cli import main
+from flux_trainer.sdscripts.runner import RunnerSpec
 from tests.conftest import make_images, write_dataset
 
 
@@ -28,6 +29,7 @@ def test_dry_run_writes_the_run_dir(workdir, capsys):
     flat = {k: v for t in tomli.loads((run / "sd_scripts.toml").read_text()).values() for k, v in t.items()}
     assert (flat["network_dim"], flat["optimizer_type"], flat["max_train_steps"]) == (32, "AdamW", 2000)
     assert flat["output_dir"] == str(run)
+    assert RunnerSpec.read(run).pin_memory is True  # train.pin_memory's default reaches the training process
     assert Path(flat["pretrained_model_name_or_path"]).is_absolute()
     command = (run / "command.txt").read_text()
     assert "accelerate.commands.launch" in command and "flux_trainer.sdscripts.runner" in command
@@ -36,6 +38,12 @@ def test_dry_run_writes_the_run_dir(workdir, capsys):
     assert dataset["datasets"][0]["subsets"][0]["image_dir"] == str(workdir / "pics" / "mychar")
     out = capsys.readouterr().out
     assert "dry_run=true" in out and str(run) in out
+
+
+def test_pin_memory_off_reaches_the_runner(workdir):
+    assert main(["+dataset=mychar", "dry_run=true", "train.pin_memory=false"]) == 0
+    (run,) = run_dirs(workdir)
+    assert RunnerSpec.read(run).pin_memory is False
 
 
 @pytest.mark.parametrize(

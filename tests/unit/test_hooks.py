@@ -7,10 +7,11 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from flux_trainer.metrics.health import LossGuard, SlowdownDetector
 from flux_trainer.metrics.step import StepMetrics
-from flux_trainer.sdscripts.hooks import NonFiniteLoss, RunHooks
+from flux_trainer.sdscripts.hooks import NonFiniteLoss, RunHooks, pin_batches
 from flux_trainer.sdscripts.runner import EXIT_FILE, RunnerSpec, child_exit_code
 
 
@@ -172,3 +173,50 @@ def test_run_texts_carry_the_compile_cache_line_of_the_first_step(tmp_path, monk
     line = read_texts(tmp_path / "tb")["run/compile_cache"]
     assert line.startswith("torch.compile cache: inductor 6 hit / 1 miss / 2 bypass, autograd 0 hit")
     assert line.endswith("(torch says: inductor: Can't cache X (2x))")
+
+
+class PreparingAccelerator:
+    """What pin_batches touches of accelerate's Accelerator: its device, its dataloader configuration (accelerate's
+    own class) and `prepare`, which hands a DataLoader to accelerate's prepare_data_loader as Accelerator does."""
+
+    def __init__(self, device_type: str):
+        from accelerate.utils import DataLoaderConfiguration
+
+        self.device = SimpleNamespace(type=device_type)
+        self.dataloader_config = DataLoaderConfiguration()
+        self.prepared = []
+
+    def prepare(self, *objects):
+        from accelerate.data_loader import prepare_data_loader
+
+        out = [
+            prepare_data_loader(o, non_blocking=self.dataloader_config.non_blocking, put_on_device=False)
+            if isinstance(o, torch.utils.data.DataLoader)
+            else o
+            for o in objects
+        ]
+        self.prepared.append(out)
+        return out if len(out) > 1 else out[0]
+
+
+def test_pinned_batches_reach_accelerates_loader_and_the_wrap_goes_after_one_use():
+    acc = PreparingAccelerator("cuda")
+    assert "page-locked" in pin_batches(acc)
+    unet = object()
+    assert acc.prepare(unet) is unet  # sd-scripts prepares the model first: nothing to do yet
+    assert "prepare" in vars(acc) and not acc.dataloader_config.non_blocking
+    train = torch.utils.data.DataLoader([{"latents": torch.randn(2)}], batch_size=1)
+    val = torch.utils.data.DataLoader([], batch_size=1)
+    network, shard, val_shard = acc.prepare("network", train, val)
+    assert train.pin_memory and val.pin_memory and acc.dataloader_config.non_blocking
+    assert shard.pin_memory and shard._non_blocking  # accelerate carried both into the loader that is iterated
+    assert "prepare" not in vars(acc)  # the class's own prepare from here on
+    later = torch.utils.data.DataLoader([1], batch_size=1)
+    acc.prepare(later)
+    assert not later.pin_memory
+
+
+def test_no_pinned_batches_off_cuda():
+    acc = PreparingAccelerator("cpu")
+    assert pin_batches(acc) is None
+    assert "prepare" not in vars(acc)
