@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -105,6 +106,95 @@ def _numerator(flat_grads: list[Tensor], states: list[dict], params: list[Tensor
     return total
 
 
+# the flat path where it applies; FLUX_KERNELS_PRODIGY_FLAT=0 keeps the multi-tensor ops everywhere (to compare them)
+FLAT = os.environ.get("FLUX_KERNELS_PRODIGY_FLAT", "1") != "0"
+
+
+def _flat_eligible(params: list[Tensor]) -> bool:
+    first = params[0]
+    return all(p.device == first.device and p.dtype == first.dtype and p.is_contiguous() for p in params)
+
+
+class _Flat:
+    """One parameter group's Prodigy state in four flat buffers (exp_avg, exp_avg_sq, s, p0), each parameter's state
+    tensor a view into them, so that the step runs a few ops over whole buffers. prodigyopt's state is kept as it is,
+    key for key and shape for shape (a zero-initialised tensor's p0 stays its scalar zero, spread over the tensor's
+    slice of the p0 buffer here): saved and loaded like prodigyopt's, and a state loaded from a file (no longer views
+    of these buffers) is copied in again at the next step (`current`)."""
+
+    def __init__(self, optimizer, params: list[Tensor], beta1: float) -> None:
+        self.params = list(params)
+        self.sizes = [p.numel() for p in params]
+        n, like = sum(self.sizes), params[0]
+        self.exp_avg = like.new_zeros(n) if beta1 > 0 else None
+        self.exp_avg_sq, self.s, self.p0 = like.new_zeros(n), like.new_zeros(n), like.new_empty(n)
+        off = 0
+        for p, size in zip(params, self.sizes, strict=True):
+            state, part = optimizer.state[p], slice(off, off + size)
+            for key, buf in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq), ("s", self.s)):
+                if buf is not None:
+                    buf[part].copy_(state[key].flatten())
+                    state[key] = buf[part].view_as(state[key])
+            if state["p0"].dim() == 0:
+                self.p0[part].fill_(state["p0"])
+            else:
+                self.p0[part].copy_(state["p0"].flatten())
+                state["p0"] = self.p0[part]
+            off += size
+        self.views = self._views(optimizer)
+
+    def _views(self, optimizer) -> list[tuple]:
+        keys = ("exp_avg", "exp_avg_sq", "s", "p0")
+        return [tuple(optimizer.state[p].get(k) for k in keys) for p in self.params]
+
+    def current(self, optimizer, params: list[Tensor]) -> bool:
+        """Still this group's parameters, with their state still these buffers' views (load_state_dict replaces it)."""
+        if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params, strict=True)):
+            return False
+        return all(
+            all(x is y for x, y in zip(view, now, strict=True))
+            for view, now in zip(self.views, self._views(optimizer), strict=True)
+        )
+
+    def chunks(self):
+        n = self.s.numel()
+        return [slice(i, min(i + CHUNK, n)) for i in range(0, n, CHUNK)]
+
+    def numerator(self, grad: Tensor, param: Tensor) -> Tensor:
+        """sum(grad * (p0 - p)) in float64, one dot per CHUNK of the flat vectors (the temporary is a chunk)."""
+        total = torch.zeros((), dtype=torch.float64, device=grad.device)
+        for c in self.chunks():
+            total += torch.dot(grad[c], self.p0[c] - param[c]).double()
+        return total
+
+    def denominator(self) -> Tensor:
+        return torch.stack([torch.linalg.vector_norm(self.s[c], 1) for c in self.chunks()]).double().sum()
+
+    def update(self, param: Tensor, grad: Tensor, d: float, dlr: float, eps: float, beta1: float) -> None:
+        """param -= dlr * exp_avg / (sqrt(exp_avg_sq) + d * eps) (grad * d without a first moment), chunk by chunk,
+        then each parameter tensor gets its slice."""
+        for c in self.chunks():
+            denom = self.exp_avg_sq[c].sqrt().add_(d * eps)
+            if beta1 > 0:
+                param[c].addcdiv_(self.exp_avg[c], denom, value=-dlr)
+            else:
+                param[c].addcdiv_(grad[c], denom, value=-dlr * d)
+        torch._foreach_copy_([p.view(-1) for p in self.params], list(param.split(self.sizes)))
+
+
+def _flat(optimizer, index: int, params: list[Tensor], beta1: float) -> _Flat | None:
+    """Group `index`'s flat state when every parameter of the group has a gradient (else None: the multi-tensor
+    path steps the ones that have, as prodigyopt does), built or rebuilt as needed. Kept on the optimizer object,
+    not in its param groups, which state_dict() would save."""
+    if not FLAT or len(params) != len(optimizer.param_groups[index]["params"]) or not _flat_eligible(params):
+        return None
+    flats = optimizer.__dict__.setdefault("_flux_flat", {})
+    flat = flats.get(index)
+    if flat is None or not flat.current(optimizer, params):
+        flat = flats[index] = _Flat(optimizer, params, beta1)
+    return flat
+
+
 @torch.no_grad()
 def fast_step(self, closure=None):
     """One Prodigy step for every parameter with a gradient: prodigyopt's arithmetic, multi-tensor, one sync."""
@@ -126,7 +216,7 @@ def fast_step(self, closure=None):
     d_numerator = first["d_numerator"] * beta3
 
     numerators, denominators, stepped = [], [], []
-    for group in self.param_groups:
+    for index, group in enumerate(self.param_groups):
         if group["lr"] not in (lr, 0.0):
             raise RuntimeError(
                 "Setting different lr values in different parameter groups is only supported for values of 0"
@@ -138,7 +228,19 @@ def fast_step(self, closure=None):
         if group["weight_decay"] != 0 and not group["decouple"]:
             torch._foreach_add_(grads, params, alpha=group["weight_decay"])
         _init_state(self, params, beta1)
-        stepped.append((group, params, grads))
+        flat = _flat(self, index, params, beta1) if group["lr"] > 0.0 else None
+        if flat is not None:
+            grad, param = torch.cat([g.flatten() for g in grads]), torch.cat([p.flatten() for p in params])
+            stepped.append((group, params, grads, (flat, grad, param)))
+            numerators.append(flat.numerator(grad, param) * ((d / group["d0"]) * dlr))
+            if beta1 > 0:
+                flat.exp_avg.mul_(beta1).add_(grad, alpha=d * (1 - beta1))
+            flat.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=d * d * (1 - beta2))
+            rate = (d / group["d0"]) * (d if group["safeguard_warmup"] else dlr)
+            flat.s.mul_(beta3).add_(grad, alpha=rate)
+            denominators.append(flat.denominator())
+            continue
+        stepped.append((group, params, grads, None))
         if group["lr"] <= 0.0:
             continue
         states = [self.state[p] for p in params]
@@ -172,10 +274,16 @@ def fast_step(self, closure=None):
 
     for group in self.param_groups:
         group.update(d_numerator=global_d_numerator, d_denom=d_denom, d=d, d_max=d_max, d_hat=d_hat)
-    for group, params, grads in stepped:
+    for group, params, grads, flat in stepped:
         states = [self.state[p] for p in params]
         for s in states:
             s["step"] += 1
+        if flat is not None:
+            flat, grad, param = flat
+            if group["weight_decay"] != 0 and group["decouple"]:
+                param.add_(param, alpha=-group["weight_decay"] * dlr)
+            flat.update(param, grad, d, dlr, group["eps"], beta1)
+            continue
         denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
         torch._foreach_add_(denom, d * group["eps"])
         if group["weight_decay"] != 0 and group["decouple"]:

@@ -111,4 +111,5 @@ def test_l2_rows_on_cpu_with_the_runtime_calls_stood_in(bench, fm, monkeypatch):
 def test_tiny_cpu_prodigy_section(bench, tmp_path):
     (row,) = tiny_cpu_section(bench, tmp_path, "--prodigy")
     assert row["name"] == "6 tensors" and row["prodigyopt_wall_ms"] > 0 and row["flux_kernels_wall_ms"] > 0
-    assert row["speedup_wall"] > 0 and row["max_rel_diff"] < 1e-4  # both stepped the same parameters alike
+    assert row["speedup_wall"] > 0 and row["speedup_wall_vs_multi_tensor"] > 0
+    assert row["flux_kernels_max_rel_diff"] < 1e-4 and row["multi_tensor_max_rel_diff"] < 1e-4  # all stepped alike

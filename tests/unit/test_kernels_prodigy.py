@@ -69,9 +69,12 @@ def assert_same(ref, ref_params, fast, fast_params, rel: float) -> None:
     ],
     ids=["flux-train", "coupled-decay", "no-bias-correction", "beta1-0", "other"],
 )
-def test_matches_prodigyopt_over_steps(kwargs):
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "multi-tensor"])
+def test_matches_prodigyopt_over_steps(kwargs, flat, monkeypatch):
     """In float64 the two agree to rounding (1e-13 seen over 20 steps): the same arithmetic. (In float32 the sums'
-    different order is amplified through the adapting step size: next test.)"""
+    different order is amplified through the adapting step size: next test.) Both paths: the flat buffers, and the
+    multi-tensor ops (which also take the step where a tensor has no gradient, in `run`)."""
+    monkeypatch.setattr(prodigy, "FLAT", flat)
     (ref, rp), (fast, fp) = pair(lambda ps: ps, dtype=torch.float64, **kwargs)
     for _ in range(5):
         run(ref, rp, 4, seed=_)
@@ -95,6 +98,60 @@ def test_two_groups_one_frozen_at_lr_zero():
     run(ref, rp, 4)
     run(fast, fp, 4)
     assert_same(ref, rp, fast, fp, rel=1e-5)
+
+
+def every_grad(params, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = (p.detach() - 0.5) + torch.randn(p.shape, generator=gen, dtype=p.dtype) * 1e-2
+
+
+def test_the_flat_state_is_prodigyopts_and_survives_a_save_and_load():
+    """With every gradient present the state lives in flat buffers: each state tensor a view into one buffer, shaped
+    as prodigyopt shapes it (a zero tensor's p0 still a scalar). Saved and loaded into prodigyopt's own optimizer or
+    into a fast one (whose state is then no longer views: copied in again), both continue as the original does, and
+    so does the original after loading it back over a step it took since."""
+    import io
+
+    (ref, rp), (fast, fp) = pair(lambda ps: ps, dtype=torch.float64, **OURS)
+    for step in range(3):
+        for opt, ps in ((ref, rp), (fast, fp)):
+            every_grad(ps, step)
+            opt.step()
+    assert_same(ref, rp, fast, fp, rel=1e-10)
+    storages = {fast.state[p]["exp_avg_sq"].untyped_storage().data_ptr() for p in fp}
+    assert len(storages) == 1
+    for a, b in zip(rp, fp, strict=True):
+        assert {k: tuple(v.shape) for k, v in ref.state[a].items() if k != "step"} == {
+            k: tuple(v.shape) for k, v in fast.state[b].items() if k != "step"
+        }
+    buf = io.BytesIO()
+    torch.save(fast.state_dict(), buf)
+    resumed = []
+    for install in (False, True):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in fp]
+        opt = prodigyopt.Prodigy(params, lr=1.0, **OURS)
+        if install:
+            prodigy.install(opt)
+        buf.seek(0)
+        opt.load_state_dict(torch.load(buf, weights_only=False))
+        resumed.append((opt, params))
+    snapshot = [p.detach().clone() for p in fp]
+    every_grad(fp, 99)
+    fast.step()  # a step the load below undoes: the flat buffers now hold state the loaded one replaces
+    buf.seek(0)
+    fast.load_state_dict(torch.load(buf, weights_only=False))
+    with torch.no_grad():
+        for p, saved in zip(fp, snapshot, strict=True):
+            p.copy_(saved)
+    for step in range(3, 6):
+        for opt, ps in [(fast, fp), *resumed]:
+            every_grad(ps, step)
+            opt.step()
+    for opt, ps in resumed:
+        assert_same(fast, fp, opt, ps, rel=1e-10)
+    loaded = resumed[1][0]
+    assert len({loaded.state[p]["s"].untyped_storage().data_ptr() for p in resumed[1][1]}) == 1  # views again
 
 
 def test_one_host_read_per_step_instead_of_two_per_tensor(monkeypatch):
