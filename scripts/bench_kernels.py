@@ -553,10 +553,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nblocks skipped: {e}")
     if ns.prodigy:
         result["prodigy"] = bench_prodigy(dev, ns.warmup, ns.reps, ns.tiny)
+        cols = ["params_m", "prodigyopt_wall_ms", "multi_tensor_wall_ms", "flux_kernels_wall_ms", "speedup_wall",
+                "speedup_wall_vs_multi_tensor", "prodigyopt_gpu_ms", "multi_tensor_gpu_ms", "flux_kernels_gpu_ms",
+                "flux_kernels_max_rel_diff"]  # fmt: skip
         print_table("Prodigy optimizer step over FLUX's LoRA tensors (wall: CUDA events around one step)",
-                    result["prodigy"], ["params_m", "prodigyopt_wall_ms", "multi_tensor_wall_ms", "flux_kernels_wall_ms",
-                                        "speedup_wall", "speedup_wall_vs_multi_tensor", "prodigyopt_gpu_ms",
-                                        "multi_tensor_gpu_ms", "flux_kernels_gpu_ms", "flux_kernels_max_rel_diff"])  # fmt: skip
+                    result["prodigy"], cols)  # fmt: skip
     if ns.l2:
         if dev.type != "cuda":
             result["l2"] = {"skipped": "L2 persistence windows need a CUDA device"}
