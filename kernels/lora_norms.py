@@ -67,6 +67,9 @@ class _Shared:
         self.loras = loras
         self.norms: dict[int, Tensor] = {}
         self.stamps: dict[int, tuple] = {}
+        self.means: list[Tensor] = []  # per shape group [k, 1]: each module's mean row norm (see stacked_means)
+        self.rows: dict[int, int] = {}  # module id -> its row in torch.cat(self.means)
+        self._gathers: dict[tuple, Tensor] = {}
 
     @staticmethod
     def _grads(m) -> tuple[Tensor, Tensor] | None:
@@ -83,7 +86,7 @@ class _Shared:
     @torch.profiler.record_function("flux_kernels::lora_grad_norms")
     def _compute_all(self) -> None:
         groups: dict[tuple, list] = {}
-        self.norms, self.stamps = {}, {}
+        self.norms, self.stamps, self.means, self.rows = {}, {}, [], {}
         for m in self.loras:
             grads = self._grads(m)
             if not m.training or grads is None:
@@ -94,9 +97,27 @@ class _Shared:
         for key, members in groups.items():
             _, ups, downs, d_ups, d_downs = zip(*members, strict=True)
             norms = batched_row_norms(ups, downs, d_ups, d_downs, key[-1]).to(key[2])
+            first = len(self.rows)
+            self.means.append(norms.mean(dim=1))
             for i, (m, _up, _down, *grads) in enumerate(members):
                 self.norms[id(m)] = norms[i]
                 self.stamps[id(m)] = tuple((weakref.ref(g), g._version) for g in grads)
+                self.rows[id(m)] = first + i
+
+    def stacked_means(self, loras: list[nn.Module]) -> Tensor | None:
+        """What sd-scripts' `LoRANetwork.grad_norms()` returns for `loras` (each module's `grad_norms.mean(dim=0)`,
+        stacked, for the modules that have grad_norms), from the batched computation: a cat and a gather instead of
+        a mean per module (304 kernels per step on FLUX, launched one by one while the GPU waits). None where some
+        module's grad_norms is not the latest batched result (set otherwise, or stale): the caller falls back."""
+        with_norms = [m for m in loras if getattr(m, "grad_norms", None) is not None]
+        if not with_norms or any(m.grad_norms is not self.norms.get(id(m)) for m in with_norms):
+            return None
+        rows = tuple(self.rows[id(m)] for m in with_norms)
+        means = torch.cat(self.means) if len(self.means) > 1 else self.means[0]
+        gather = self._gathers.get(rows)
+        if gather is None or gather.device != means.device:
+            gather = self._gathers[rows] = torch.tensor(rows, device=means.device)
+        return means.index_select(0, gather)
 
     def update(self, m) -> None:
         """sd-scripts' LoRAModule.update_grad_norms, same semantics: skip when not training or without both
@@ -134,6 +155,43 @@ def install(model: nn.Module) -> tuple[int, int]:
             lora.__dict__[ATTR] = lora.__dict__.get("update_grad_norms")
         lora.update_grad_norms = functools.partial(shared.update, lora)
     return len(loras), skipped
+
+
+NETWORK_ATTR = "_flux_lora_norms_network"
+
+
+def _shared_of(lora: nn.Module) -> _Shared | None:
+    bound = getattr(lora.__dict__.get("update_grad_norms"), "func", None)
+    return getattr(bound, "__self__", None) if isinstance(getattr(bound, "__self__", None), _Shared) else None
+
+
+def _network_grad_norms(shared: _Shared, loras: list[nn.Module], original) -> Tensor | None:
+    stacked = shared.stacked_means(loras)
+    return original() if stacked is None else stacked
+
+
+def install_network(network: nn.Module) -> bool:
+    """Give a LoRA network object (sd-scripts' LoRANetwork: `text_encoder_loras`, `unet_loras`, `grad_norms()`,
+    which sd-scripts calls every step to log `norm/avg_grad_norm`) a `grad_norms()` served from the batched norms
+    of `install`. False where there is nothing to do: no such network, or none of its modules patched."""
+    loras = list(getattr(network, "text_encoder_loras", None) or []) + list(getattr(network, "unet_loras", None) or [])
+    shared = next((s for m in loras if (s := _shared_of(m)) is not None), None)
+    original = getattr(network, "grad_norms", None)
+    if shared is None or not callable(original) or NETWORK_ATTR in network.__dict__:
+        return False
+    network.__dict__[NETWORK_ATTR] = network.__dict__.get("grad_norms")
+    network.grad_norms = functools.partial(_network_grad_norms, shared, loras, original)
+    return True
+
+
+def uninstall_network(network: nn.Module) -> bool:
+    if NETWORK_ATTR not in network.__dict__:
+        return False
+    previous = network.__dict__.pop(NETWORK_ATTR)
+    network.__dict__.pop("grad_norms", None)
+    if previous is not None:
+        network.grad_norms = previous
+    return True
 
 
 def uninstall(model: nn.Module) -> int:

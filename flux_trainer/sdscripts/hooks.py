@@ -89,11 +89,17 @@ class RunHooks:
             self.loss_guard = LossGuard(patience=3)
             self.slowdown = SlowdownDetector(nvml=self.metrics.nvml)
 
-    def step_start(self, accelerator: Any = None) -> None:
+    def step_start(self, accelerator: Any = None, network: Any = None) -> None:
         """Runs on every rank: the data-wait mark, and every RANK_REDUCE_EVERY micro-steps the peak VRAM of the
         busiest rank (a collective, so it cannot live in step_logging, which sd-scripts calls on rank 0 only).
-        The profiler window opens and closes here too, on every rank."""
+        The profiler window opens and closes here too, on every rank. At the first step, with lora_grad_norms,
+        the network's per-step `grad_norms()` (sd-scripts logs its mean) is served from the batched norms."""
         self._micro_steps += 1
+        if self._micro_steps == 1 and network is not None and "lora_grad_norms" in self.kernels_installed:
+            from flux_kernels import lora_norms
+
+            if lora_norms.install_network(network):
+                log.info("lora_grad_norms: the network's grad_norms() (norm/avg_grad_norm) from the batched norms")
         if "cuda_graphs" in self.kernels_installed:
             import torch
 

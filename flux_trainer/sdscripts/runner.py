@@ -104,7 +104,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
 
         def on_step_start(self, args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train=True):
             if is_train:
-                self.flux_train.step_start(accelerator)
+                self.flux_train.step_start(accelerator, network)
             return super().on_step_start(args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train)
 
         def sample_images(self, accelerator, args, epoch, global_step, *rest):

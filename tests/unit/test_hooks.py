@@ -220,3 +220,19 @@ def test_no_pinned_batches_off_cuda():
     acc = PreparingAccelerator("cpu")
     assert pin_batches(acc) is None
     assert "prepare" not in vars(acc)
+
+
+def test_the_networks_grad_norms_are_patched_at_the_first_step_with_lora_grad_norms(tmp_path, monkeypatch):
+    from flux_kernels import lora_norms
+
+    calls = []
+    monkeypatch.setattr(lora_norms, "install_network", lambda net: calls.append(net) or True)
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    network = object()
+    h.step_start(None, network)  # kernels without lora_grad_norms: nothing
+    assert calls == []
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    h.kernels_installed = ["attention", "lora_grad_norms"]
+    h.step_start(None, network)
+    h.step_start(None, network)
+    assert calls == [network]

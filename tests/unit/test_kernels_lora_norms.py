@@ -4,6 +4,7 @@ LoRAModule.update_grad_norms on a real LoRA module (skipped with the reason when
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
@@ -220,3 +221,82 @@ def test_modules_not_training_or_without_gradients_are_left_alone():
     assert not hasattr(loras[0], "grad_norms") and not hasattr(loras[3], "grad_norms")
     for lo in loras[1:3]:
         torch.testing.assert_close(lo.grad_norms, _exact(lo), rtol=1e-5, atol=0)
+
+
+class Network(nn.Module):
+    """A LoRA network object as sd-scripts' LoRANetwork has it: module lists and a per-step `grad_norms()` (here
+    LoRANetwork's own method where the checkout is importable, else the same contract written out)."""
+
+    def __init__(self, loras, method=None):
+        super().__init__()
+        self.text_encoder_loras, self.unet_loras = [], list(loras)
+        if method is not None:
+            self.grad_norms = types.MethodType(method, self)
+
+    def grad_norms(self):
+        norms = [
+            m.grad_norms.mean(dim=0) for m in self.text_encoder_loras + self.unet_loras if hasattr(m, "grad_norms")
+        ]
+        return torch.stack(norms) if norms else None
+
+
+def _count_ops(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def _network_case(method):
+    model, loras = _fake_model()
+    order = [loras[3], loras[0], loras[2], loras[1]]  # the network's order is not the shape groups' order
+    network = Network(order, method)
+    assert lora_norms.install(model) == (4, 0)
+    _backward(model)
+    for lo in order:
+        lo.update_grad_norms()  # sd-scripts' network.update_norms()
+    want = network.grad_norms()
+    want_ops = _count_ops(network.grad_norms)
+    assert lora_norms.install_network(network) and not lora_norms.install_network(network)
+    got = network.grad_norms()
+    assert got.shape == want.shape == (4, 1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert _count_ops(network.grad_norms) <= 3 < want_ops  # a cat and a gather, not a mean per module
+    return model, order, network
+
+
+@pytest.mark.parametrize("reference", ["contract", "sd-scripts"])
+def test_the_networks_grad_norms_come_from_the_batched_norms(reference, request):
+    method = None
+    if reference == "sd-scripts":
+        method = request.getfixturevalue("lora_flux").LoRANetwork.grad_norms
+    model, order, network = _network_case(method)
+    for lo in order:
+        lo.lora_up.weight.grad = lo.lora_down.weight.grad = None
+    _backward(model, seed=2)
+    for lo in order:
+        lo.update_grad_norms()
+    fresh = torch.stack([lo.grad_norms.mean(dim=0) for lo in order])
+    torch.testing.assert_close(network.grad_norms(), fresh, rtol=1e-6, atol=0)  # the next step's, not the first's
+    order[2].grad_norms = order[2].grad_norms * 2  # set by something else: served by the original method
+    torch.testing.assert_close(network.grad_norms()[2], order[2].grad_norms.mean(dim=0), rtol=1e-6, atol=0)
+    assert lora_norms.uninstall_network(network) and not lora_norms.uninstall_network(network)
+    if method is None:
+        assert "grad_norms" not in network.__dict__  # the class's method again
+    else:
+        assert network.grad_norms.__func__ is method
+
+
+def test_a_network_without_patched_modules_is_left_alone():
+    _model, loras = _fake_model()
+    network = Network(loras)
+    assert not lora_norms.install_network(network)  # lora_norms.install never ran on these modules
+    assert "grad_norms" not in network.__dict__
