@@ -290,12 +290,27 @@ def install_lora_norms(model: nn.Module, **_) -> str:
     return f"lora_grad_norms: {done} LoRA modules" + (f" ({skipped} conv LoRA left as they are)" if skipped else "")
 
 
+def install_lora_fold(model: nn.Module, **_) -> str:
+    """The LoRA's up-projection folded into the frozen GEMM where the output is much wider than the input
+    (flux_kernels.lora_fold: FLUX's single-block linear1)."""
+    from flux_kernels import lora_fold
+
+    if getattr(model, "blocks_to_swap", None):
+        why = "block swap moves frozen weights every step; a folded layer keeps its weight in a buffer beside B"
+        raise KernelError(f"lora_fold: {why} (drop lora_fold or block swap)")
+    done = lora_fold.install(model)
+    if not done:
+        raise KernelError(f"lora_fold: no plain LoRA on a frozen Linear with out >= {lora_fold.WIDE}x in")
+    return f"lora_fold: {done} LoRA Linear layers (up-projection inside the frozen GEMM; re-homed at the first forward)"
+
+
 def remove_kernels(model: nn.Module) -> list[str]:
     """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation,
     Linear layers get their forward back (weights that fp8_matmul quantised stay fp8)."""
-    from flux_kernels import compile_blocks, fp8, lora_norms
+    from flux_kernels import compile_blocks, fp8, lora_fold, lora_norms
 
     undone = ["fp8"] if fp8.uninstall(model) else []
+    undone += ["lora_fold"] if lora_fold.uninstall(model) else []
     undone += compile_blocks.remove(model)
     undone += ["lora_norms"] if lora_norms.uninstall(model) else []
     _remove_run_probe(model)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from flux_kernels import compile_blocks, fast, fp8, lora_norms, patch, prodigy, reference
+from flux_kernels import compile_blocks, fast, fp8, lora_fold, lora_norms, patch, prodigy, reference
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
 from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
 from flux_kernels.patch import KernelError
@@ -128,6 +128,20 @@ def any_applies(device) -> tuple[bool, str]:
 def has_lora(model) -> tuple[bool, str]:
     n = len(lora_norms.lora_modules(model))
     return (True, f"{n} LoRA modules") if n else (False, "no LoRA module is applied to the model")
+
+
+def has_wide_lora(model) -> tuple[bool, str]:
+    """`auto` folds the LoRA where there are layers to fold and the model does not checkpoint its blocks: measured
+    faster without checkpointing (vram80); with it, the card's peak (+0.6-1.2 GiB reserved at vram80) is unmeasured
+    against the checkpointed tiers' budgets, so there it must be named."""
+    n = len(lora_fold.candidates(model))
+    if not n:
+        return False, f"no plain LoRA on a frozen Linear with out >= {lora_fold.WIDE}x in"
+    if getattr(model, "blocks_to_swap", None):
+        return False, "block swap is on (it moves the frozen weights every step)"
+    if getattr(model, "gradient_checkpointing", False):
+        return False, "gradient checkpointing is on (measured without it only: name lora_fold to use it)"
+    return True, f"{n} LoRA Linear layers with out >= {lora_fold.WIDE}x in"
 
 
 def compile_applies(device) -> tuple[bool, str]:
@@ -266,6 +280,17 @@ def lora_norms_example(device, dtype, out=40, inp=72, r=4):
     return up, down, d_up, d_down, 0.5
 
 
+def lora_fold_example(device, dtype, M=37, K=24, N=160, r=4):
+    """A LoRA'd Linear on [2, M, K] activations, out much wider than in as where it is installed."""
+    gen = torch.Generator().manual_seed(0)
+    x = _rand(2, M, K, device=device, dtype=dtype, gen=gen)
+    w = _rand(N, K, device=device, dtype=dtype, gen=gen, scale=K**-0.5, grad=False)
+    bias = _rand(N, device=device, dtype=dtype, gen=gen, scale=0.1, grad=False)
+    a = _rand(r, K, device=device, dtype=dtype, gen=gen, scale=K**-0.5)
+    b = _rand(N, r, device=device, dtype=dtype, gen=gen, scale=0.3)
+    return x, w, bias, a, b, 0.75
+
+
 def compile_check(info: DeviceInfo) -> tuple[bool, str]:
     dev = info.torch_device
 
@@ -350,6 +375,18 @@ REGISTRY: dict[str, KernelSpec] = {
             dtypes=(torch.bfloat16,),
             tolerance=FP8_TOLERANCE,
             auto_if=fp8_base_only,
+        ),
+        KernelSpec(
+            "lora_fold",
+            "the LoRA's up-projection inside the frozen GEMM ([x, s·x·Aᵀ] @ [W, B]ᵀ) and dY @ B inside the input "
+            f"gradient's GEMM, on LoRA'd Linear layers with out >= {lora_fold.WIDE}x in (FLUX: single blocks' linear1)",
+            cuda_applies,
+            patch.install_lora_fold,
+            reference=lora_fold.reference_linear,
+            fast=lora_fold.fast_linear,
+            example=lora_fold_example,
+            dtypes=(torch.bfloat16,),  # as FLUX trains; float32 GEMMs run as TF32 where the launcher allows it
+            auto_if=has_wide_lora,
         ),
         KernelSpec(
             "lora_grad_norms",

@@ -11,6 +11,8 @@ torch.compile (what `compile_blocks` would make of it; the number to beat) and t
         a training step, where the CPU runs ahead of a GPU busy with matmuls. Speedups are computed from this.
 GB/s is the op's minimum traffic (bytes it must read and write, forward and backward) over the GPU time, the
 same byte count for every column so the columns compare (an H200 streams ~4 TB/s).
+With --lora, one FLUX Linear with a LoRA, forward+backward: as sd-scripts has it, against the frozen Linear alone,
+the LoRA folded into the frozen GEMM and a hand-written backward (the measurement behind not folding it).
 With --prodigy, one Prodigy optimizer step over FLUX's 608 LoRA tensors: prodigyopt's against flux_kernels', with
 its flat buffers and with multi-tensor ops only.
 With --l2, one compiled double and single block without and with an L2 persistence window (flux_kernels.l2) over
@@ -209,6 +211,113 @@ def bench_fp8(dev, warmup, reps, tiny: bool, compiled: bool = True) -> list[dict
             row["vs_upcast"] = best / row["upcast_tflops"]
         rows.append(row)
     return rows
+
+
+LORA_LINEARS = {  # name: (tokens, in, out, how many per step) at 1024² (4096 image + 512 text tokens)
+    "single.linear1": (4608, 3072, 21504, 38), "single.linear2": (4608, 15360, 3072, 38),
+    "img.qkv": (4096, 3072, 9216, 19), "img.proj": (4096, 3072, 3072, 19), "img.mlp0": (4096, 3072, 12288, 19),
+    "img.mlp2": (4096, 12288, 3072, 19), "txt.qkv": (512, 3072, 9216, 19), "txt.mlp0": (512, 3072, 12288, 19),
+}  # fmt: skip
+
+
+class _FoldedLora(torch.autograd.Function):
+    """y = [x, s·x·Aᵀ] @ [W, B]ᵀ + bias: the LoRA's up-projection inside the frozen GEMM (W and B in one buffer,
+    `wb`), and in the backward one GEMM for the input gradient and dY @ B together."""
+
+    @staticmethod
+    def forward(ctx, x, wb, bias, a, b, s):
+        k = a.shape[1]
+        xh = torch.cat([x, (x @ a.t()) * s], dim=-1)
+        ctx.save_for_backward(xh, wb, a)
+        ctx.k, ctx.s = k, s
+        return torch.addmm(bias, xh, wb.t())
+
+    @staticmethod
+    def backward(ctx, dy):
+        xh, wb, a = ctx.saved_tensors
+        dxh = dy @ wb
+        dh = dxh[:, ctx.k :] * ctx.s
+        dx = torch.addmm(dxh[:, : ctx.k], dh, a)
+        return dx, None, None, dh.t() @ xh[:, : ctx.k], dy.t() @ xh[:, ctx.k :], None
+
+
+class _HandLora(torch.autograd.Function):
+    """sd-scripts' LoRA with a hand-written backward whose adds ride on cuBLAS's epilogue (addmm)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b, s):
+        h = x @ a.t()
+        ctx.save_for_backward(x, h, w, a, b)
+        ctx.s = s
+        return torch.addmm(torch.addmm(bias, x, w.t()), h, b.t(), alpha=s)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h, w, a, b = ctx.saved_tensors
+        g = (dy @ b) * ctx.s
+        return torch.addmm(dy @ w, g, a), None, None, g.t() @ x, (dy.t() @ h) * ctx.s, None
+
+
+def _lora_variants(w: torch.Tensor, bias: torch.Tensor, b0: torch.Tensor) -> dict:
+    """The four ways bench_lora times, as functions of (x, a, b), each followed by the GELU a FLUX block has there."""
+    f, k = torch.nn.functional, w.shape[1]
+    wb = torch.cat([w, b0], dim=1)
+
+    def folded(x, a, b):
+        with torch.no_grad():
+            wb[:, k:].copy_(b)  # the trained B kept in the frozen weight's buffer
+        return f.gelu(_FoldedLora.apply(x, wb, bias, a, b, 1.0), approximate="tanh")
+
+    return {
+        "frozen": lambda x, a, b: f.gelu(f.linear(x, w, bias), approximate="tanh"),
+        "sd_scripts": lambda x, a, b: f.gelu(f.linear(x, w, bias) + f.linear(f.linear(x, a), b), approximate="tanh"),
+        "folded": folded,
+        "hand": lambda x, a, b: f.gelu(_HandLora.apply(x, w, bias, a, b, 1.0), approximate="tanh"),
+    }
+
+
+def _lora_row(name: str, shape: tuple, dev, dtype, warmup: int, reps: int, compiled: bool, rank: int) -> dict:
+    m, k, n, count = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(dev, dtype).requires_grad_()
+    w, bias = (torch.randn(n, k, generator=gen) / k**0.5).to(dev, dtype), torch.randn(n, generator=gen).to(dev, dtype)
+    a = (torch.randn(rank, k, generator=gen) / k**0.5).to(dev, dtype).requires_grad_()
+    b = (torch.randn(n, rank, generator=gen) * 0.01).to(dev, dtype).requires_grad_()
+    row, want = {"name": name, "shape": f"{m}x{k}->{n}", "per_step": count}, None
+    for label, fn in _lora_variants(w, bias, b.detach()).items():
+        leaves = (x, a, b) if label != "frozen" else (x,)
+        fn = torch.compile(fn) if compiled else fn
+
+        def step(fn=fn, leaves=leaves):
+            for t in leaves:
+                t.grad = None
+            out = fn(x, a, b)
+            out.backward(torch.ones_like(out))
+            return [out.detach()] + [t.grad for t in leaves]
+
+        got = step()
+        if label == "sd_scripts":
+            want = got
+        elif want is not None:
+            row[f"{label}_err"] = max(reference.max_rel_err(g, r) for g, r in zip(got, want, strict=True))
+        row[f"{label}_gpu_ms"] = gpu_ms(step, dev, reps)
+        row[f"{label}_ms"] = median_ms(step, dev, warmup, reps)
+    return row
+
+
+def bench_lora(dev, warmup, reps, tiny: bool, compiled: bool = True, rank: int = 16) -> list[dict]:
+    """One FLUX Linear with a LoRA (r16, scale 1), a GELU after it as in the blocks, forward + backward (input and
+    LoRA gradients), four ways: the frozen Linear alone (the floor), sd-scripts' LoRA (frozen + up(down(x)) * s),
+    the LoRA folded into the frozen GEMM (_FoldedLora) and a hand-written backward (_HandLora); GPU ms each, the
+    error against sd-scripts' form, and a last row summing each over one step's layers of these shapes."""
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    shapes = {"tiny": (48, 64, 96, 1)} if tiny else LORA_LINEARS
+    rows = [_lora_row(name, shape, dev, dtype, warmup, reps, compiled, rank) for name, shape in shapes.items()]
+    key = "gpu_ms" if rows[0].get("frozen_gpu_ms") is not None else "ms"
+    total = {"name": "one step's layers", "shape": "", "per_step": sum(r["per_step"] for r in rows)}
+    for label in ("frozen", "sd_scripts", "folded", "hand"):
+        total[f"{label}_{key}"] = sum(r[f"{label}_{key}"] * r["per_step"] for r in rows)
+    return [*rows, total]
 
 
 def _gelu_then(weight, quantize_in_graph: bool | None):
@@ -475,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", action="store_true", help="also time whole sd-scripts blocks (needs a checkout)")
     ap.add_argument("--fp8", action="store_true", help="also time fp8 frozen matmuls at the FLUX linear shapes")
     ap.add_argument("--lora-norms", action="store_true", help="also time the per-step LoRA gradient row norms")
+    ap.add_argument("--lora", action="store_true", help="also time a FLUX Linear's LoRA: as sd-scripts has it, folded")
     ap.add_argument("--prodigy", action="store_true", help="also time one Prodigy step over FLUX's LoRA tensors")
     ap.add_argument("--l2", action="store_true", help="also time compiled blocks with an L2 persistence window")
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke test of this script)")
@@ -527,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         print_table("fp8 weight transpose for the input gradient (us and TB/s moved, from GPU time)", result["fp8"],
                     ["shape", "transpose_torch_us", "transpose_triton_us", "transpose_torch_tbps",
                      "transpose_triton_tbps", "transpose_exact"])  # fmt: skip
+    if ns.lora:
+        result["lora"] = bench_lora(dev, ns.warmup, ns.reps, ns.tiny, not ns.no_compiled)
+        print_table("a Linear + LoRA r16 + GELU, forward + backward, GPU ms (last row: x per_step, summed)",
+                    result["lora"], ["shape", "per_step", "frozen_gpu_ms", "sd_scripts_gpu_ms", "folded_gpu_ms",
+                                     "hand_gpu_ms", "folded_err", "hand_err"])  # fmt: skip
     if ns.lora_norms:
         result["lora_norms"] = bench_lora_norms(dev, ns.warmup, ns.reps, ns.tiny)
         cols = ["modules", "sd_scripts_us", "gram_us", "sd_scripts_step_ms", "gram_step_ms", "sd_scripts_max_rel_err",

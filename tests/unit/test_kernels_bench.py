@@ -113,3 +113,12 @@ def test_tiny_cpu_prodigy_section(bench, tmp_path):
     assert row["name"] == "6 tensors" and row["prodigyopt_wall_ms"] > 0 and row["flux_kernels_wall_ms"] > 0
     assert row["speedup_wall"] > 0 and row["speedup_wall_vs_multi_tensor"] > 0
     assert row["flux_kernels_max_rel_diff"] < 1e-4 and row["multi_tensor_max_rel_diff"] < 1e-4  # all stepped alike
+
+
+def test_tiny_cpu_lora_section(bench, tmp_path):
+    """The folded LoRA and the hand-written backward compute what sd-scripts' LoRA computes (outputs, input and
+    LoRA gradients, float32 here), so their timings compare like with like."""
+    row, total = tiny_cpu_section(bench, tmp_path, "--lora")
+    assert row["name"] == "tiny" and row["folded_err"] < 1e-5 and row["hand_err"] < 1e-5
+    for label in ("frozen", "sd_scripts", "folded", "hand"):
+        assert row[f"{label}_ms"] > 0 and total[f"{label}_ms"] == row[f"{label}_ms"] * row["per_step"]

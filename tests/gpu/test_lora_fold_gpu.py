@@ -1,0 +1,86 @@
+"""lora_fold on the GPU at FLUX's linear1 shape (4608 tokens, 3072 -> 21504, LoRA r16 in fp32 under bf16 autocast,
+as sd-scripts trains): the compiled layer folded against sd-scripts' form, eager, compiled and replayed from CUDA
+graphs, over optimizer steps that change B (the buffer must follow). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from flux_kernels import lora_fold
+from flux_kernels.reference import max_rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (lora_fold is installed on GPUs only)"),
+]
+
+
+class Lora(nn.Module):
+    """sd-scripts' LoRAModule as flux_kernels sees it (tests/unit/test_kernels_lora_fold.py has the CPU twin)."""
+
+    def __init__(self, linear: nn.Linear, r: int = 16):
+        super().__init__()
+        self.lora_down = nn.Linear(linear.in_features, r, bias=False, device=linear.weight.device)
+        self.lora_up = nn.Linear(r, linear.out_features, bias=False, device=linear.weight.device)
+        nn.init.normal_(self.lora_up.weight, std=0.01)
+        self.scale, self.multiplier = 1.0, 1.0
+        self.dropout = self.rank_dropout = self.module_dropout = None
+        self.org_forward = linear.forward
+        linear.forward = self.forward
+
+    def forward(self, x):
+        return self.org_forward(x) + self.lora_up(self.lora_down(x)) * self.multiplier * self.scale
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear1 = nn.Linear(3072, 21504, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+
+    def forward(self, x):
+        return nn.functional.gelu(self.linear1(x), approximate="tanh")
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled", "cuda_graphs"])
+def test_folded_linear1_trains_like_sd_scripts_form(mode):
+    torch.manual_seed(0)
+    plain = Layer()
+    plain_lora = Lora(plain.linear1)
+    model, lora = copy.deepcopy((plain, plain_lora))
+    outer = nn.Sequential(model)  # as in training: the hook on the FLUX model runs eagerly, the blocks compiled
+    assert lora_fold.install(outer) == 1
+    if mode != "eager":
+        model.compile(mode="reduce-overhead" if mode == "cuda_graphs" else None)
+    run = outer
+    opt = torch.optim.AdamW(plain_lora.parameters(), lr=1e-2)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(4):
+        # the same weights each step (a trajectory would drift apart by bf16 noise through AdamW); B changes between
+        # steps through an in-place copy, as an optimizer changes it: the folded buffer must follow
+        lora.load_state_dict(plain_lora.state_dict())
+        x = torch.randn(1, 4608, 3072, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        dy = torch.randn(1, 4608, 21504, device="cuda", generator=gen, dtype=torch.bfloat16)
+        results = []
+        for lo, fn in ((plain_lora, plain), (lora, run)):
+            x.grad = None
+            if mode == "cuda_graphs":
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = fn(x)
+            y.backward(dy)
+            results.append([y.detach().clone(), x.grad.clone(), lo.lora_down.weight.grad.clone(),
+                            lo.lora_up.weight.grad.clone()])  # fmt: skip
+            lo.zero_grad(set_to_none=True)
+        errs = [max_rel_err(got, want) for got, want in zip(results[1], results[0], strict=True)]
+        assert max(errs) <= 2e-2, (step, errs)  # output, input gradient, lora_down, lora_up gradients
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            plain(x.detach()).float().square().mean().backward()
+        opt.step()
+    wb = getattr(model.linear1, lora_fold.BUFFER)
+    assert model.linear1.weight.untyped_storage().data_ptr() == wb.untyped_storage().data_ptr()
+    torch._dynamo.reset()
