@@ -71,6 +71,14 @@ def fm():
         pytest.skip(f"sd-scripts not importable: {e}")
 
 
+@pytest.fixture(scope="session")
+def lora_flux(fm):
+    """sd-scripts' `networks.lora_flux` (LoRAModule, LoRANetwork), from the same checkout as `fm`."""
+    import importlib
+
+    return importlib.import_module("networks.lora_flux")
+
+
 def flux_block_pair(fm, hidden: int, heads: int, std: float):
     """One sd-scripts DoubleStreamBlock + one SingleStreamBlock with seeded random (never zero) weights, frozen."""
     import torch

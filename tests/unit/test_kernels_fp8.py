@@ -4,7 +4,6 @@ selected by `auto` only on an fp8 base. Speed is the GPU's business (tests/gpu, 
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import pytest
@@ -155,11 +154,6 @@ def test_where_fp8_applies():
 
 
 # ---- installed into sd-scripts' blocks, under sd-scripts' own LoRA ----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def lora_flux(fm):
-    return importlib.import_module("networks.lora_flux")
 
 
 def _blocks_with_lora(fm, lora_flux, weight_dtype):

@@ -6,7 +6,6 @@ torch.compile, uninstall."""
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -188,17 +187,6 @@ def test_uninstall_gives_the_loras_forward_back():
     assert patch.remove_kernels(model) == ["lora_fold"]
     assert model[0].forward.__func__ is type(loras[0]).forward and lora_fold.ATTR not in model.__dict__
     _assert_close(_train_step(model, loras, x), _train_step(plain, plain_loras, x), 1e-5)
-
-
-@pytest.fixture(scope="module")
-def lora_flux():
-    from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
-
-    try:
-        import_sd_scripts(locate().path)
-        return importlib.import_module("networks.lora_flux")
-    except Exception as e:  # noqa: BLE001 - not found, or not importable here: either way the test cannot run
-        pytest.skip(f"sd-scripts not importable: {e}")
 
 
 def test_sd_scripts_lora_module_folded_trains_the_same(lora_flux):

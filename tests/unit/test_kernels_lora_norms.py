@@ -3,7 +3,6 @@ LoRAModule.update_grad_norms on a real LoRA module (skipped with the reason when
 
 from __future__ import annotations
 
-import importlib
 import types
 
 import pytest
@@ -30,17 +29,6 @@ def test_bf16_factors_are_multiplied_in_fp32():
     t = [torch.randn(s, generator=gen).bfloat16() for s in ((24, 4), (4, 40), (24, 4), (4, 40))]
     torch.testing.assert_close(lora_norms.row_norms(*t, 0.25), lora_norms.reference_row_norms(*t, 0.25), rtol=1e-5,
                                atol=0)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def lora_flux():
-    from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
-
-    try:
-        import_sd_scripts(locate().path)
-        return importlib.import_module("networks.lora_flux")
-    except Exception as e:  # noqa: BLE001 - not found, or not importable here: either way the test cannot run
-        pytest.skip(f"sd-scripts not importable: {e}")
 
 
 def _model_with_lora(lora_flux, seed=0):
