@@ -220,27 +220,6 @@ LORA_LINEARS = {  # name: (tokens, in, out, how many per step) at 1024² (4096 i
 }  # fmt: skip
 
 
-class _FoldedLora(torch.autograd.Function):
-    """y = [x, s·x·Aᵀ] @ [W, B]ᵀ + bias: the LoRA's up-projection inside the frozen GEMM (W and B in one buffer,
-    `wb`), and in the backward one GEMM for the input gradient and dY @ B together."""
-
-    @staticmethod
-    def forward(ctx, x, wb, bias, a, b, s):
-        k = a.shape[1]
-        xh = torch.cat([x, (x @ a.t()) * s], dim=-1)
-        ctx.save_for_backward(xh, wb, a)
-        ctx.k, ctx.s = k, s
-        return torch.addmm(bias, xh, wb.t())
-
-    @staticmethod
-    def backward(ctx, dy):
-        xh, wb, a = ctx.saved_tensors
-        dxh = dy @ wb
-        dh = dxh[:, ctx.k :] * ctx.s
-        dx = torch.addmm(dxh[:, : ctx.k], dh, a)
-        return dx, None, None, dh.t() @ xh[:, : ctx.k], dy.t() @ xh[:, ctx.k :], None
-
-
 class _HandLora(torch.autograd.Function):
     """sd-scripts' LoRA with a hand-written backward whose adds ride on cuBLAS's epilogue (addmm)."""
 
@@ -260,13 +239,15 @@ class _HandLora(torch.autograd.Function):
 
 def _lora_variants(w: torch.Tensor, bias: torch.Tensor, b0: torch.Tensor) -> dict:
     """The four ways bench_lora times, as functions of (x, a, b), each followed by the GELU a FLUX block has there."""
+    from flux_kernels import lora_fold
+
     f, k = torch.nn.functional, w.shape[1]
     wb = torch.cat([w, b0], dim=1)
 
     def folded(x, a, b):
         with torch.no_grad():
-            wb[:, k:].copy_(b)  # the trained B kept in the frozen weight's buffer
-        return f.gelu(_FoldedLora.apply(x, wb, bias, a, b, 1.0), approximate="tanh")
+            wb[:, k:].copy_(b)  # the trained B kept in the frozen weight's buffer, as lora_fold.sync does
+        return f.gelu(lora_fold.folded_linear(x, wb, bias, a, b, 1.0), approximate="tanh")
 
     return {
         "frozen": lambda x, a, b: f.gelu(f.linear(x, w, bias), approximate="tanh"),
@@ -308,8 +289,8 @@ def _lora_row(name: str, shape: tuple, dev, dtype, warmup: int, reps: int, compi
 def bench_lora(dev, warmup, reps, tiny: bool, compiled: bool = True, rank: int = 16) -> list[dict]:
     """One FLUX Linear with a LoRA (r16, scale 1), a GELU after it as in the blocks, forward + backward (input and
     LoRA gradients), four ways: the frozen Linear alone (the floor), sd-scripts' LoRA (frozen + up(down(x)) * s),
-    the LoRA folded into the frozen GEMM (_FoldedLora) and a hand-written backward (_HandLora); GPU ms each, the
-    error against sd-scripts' form, and a last row summing each over one step's layers of these shapes."""
+    the LoRA folded into the frozen GEMM (flux_kernels.lora_fold) and a hand-written backward (_HandLora); GPU ms
+    each, the error against sd-scripts' form, and a last row summing each over one step's layers of these shapes."""
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     shapes = {"tiny": (48, 64, 96, 1)} if tiny else LORA_LINEARS
     rows = [_lora_row(name, shape, dev, dtype, warmup, reps, compiled, rank) for name, shape in shapes.items()]
