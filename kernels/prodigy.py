@@ -167,15 +167,12 @@ class _Flat:
     def denominator(self) -> Tensor:
         return torch.stack([torch.linalg.vector_norm(self.s[c], 1) for c in self.chunks()]).double().sum()
 
-    def update(self, param: Tensor, grad: Tensor, d: float, dlr: float, eps: float, beta1: float) -> None:
-        """param -= dlr * exp_avg / (sqrt(exp_avg_sq) + d * eps) (grad * d without a first moment), chunk by chunk,
-        then each parameter tensor gets its slice."""
+    def update(self, param: Tensor, grad: Tensor, **step) -> None:
+        """`_descend` on the flat vectors chunk by chunk (its temporary is a chunk), then each parameter tensor gets
+        its slice."""
         for c in self.chunks():
-            denom = self.exp_avg_sq[c].sqrt().add_(d * eps)
-            if beta1 > 0:
-                param[c].addcdiv_(self.exp_avg[c], denom, value=-dlr)
-            else:
-                param[c].addcdiv_(grad[c], denom, value=-dlr * d)
+            exp_avg = [self.exp_avg[c]] if self.exp_avg is not None else None
+            _descend([param[c]], exp_avg, [self.exp_avg_sq[c]], [grad[c]], **step)
         torch._foreach_copy_(self.params, torch._C._nn.unflatten_dense_tensors(param, self.params))
 
     def gather(self, grads: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -199,6 +196,30 @@ def _flat(optimizer, index: int, params: list[Tensor], beta1: float) -> _Flat | 
     return flat
 
 
+def _moments(exp_avgs, exp_avg_sqs, ss, grads, flat_grads, *, beta1, beta2, beta3, d, rate) -> None:
+    """prodigyopt's moment and `s` updates over lists of tensors (the flat path passes one buffer each)."""
+    if beta1 > 0:
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=d * (1 - beta1))
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=d * d * (1 - beta2))
+    torch._foreach_mul_(ss, beta3)
+    torch._foreach_add_(ss, flat_grads, alpha=rate)
+
+
+def _descend(params, exp_avgs, exp_avg_sqs, grads, *, group, d, dlr, beta1) -> None:
+    """prodigyopt's parameter update over lists of tensors: decoupled weight decay, then
+    p -= dlr * exp_avg / (sqrt(exp_avg_sq) + d * eps) (grad * d without a first moment)."""
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denom, d * group["eps"])
+    if group["weight_decay"] != 0 and group["decouple"]:
+        torch._foreach_add_(params, params, alpha=-group["weight_decay"] * dlr)
+    if beta1 > 0:
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-dlr)
+    else:
+        torch._foreach_addcdiv_(params, grads, denom, value=-dlr * d)
+
+
 @torch.no_grad()
 def fast_step(self, closure=None):
     """One Prodigy step for every parameter with a gradient: prodigyopt's arithmetic, multi-tensor, one sync."""
@@ -219,6 +240,11 @@ def fast_step(self, closure=None):
     dlr = d * lr * bias
     d_numerator = first["d_numerator"] * beta3
 
+    betas = {"beta1": beta1, "beta2": beta2, "beta3": beta3}
+
+    def rate(group) -> float:  # how much of the gradient goes into s
+        return (d / group["d0"]) * (d if group["safeguard_warmup"] else dlr)
+
     numerators, denominators, stepped = [], [], []
     for index, group in enumerate(self.param_groups):
         if group["lr"] not in (lr, 0.0):
@@ -236,11 +262,8 @@ def fast_step(self, closure=None):
             grad, param = flat.gather(grads)
             stepped.append((group, params, grads, (flat, grad, param)))
             numerators.append(flat.numerator(grad, param) * ((d / group["d0"]) * dlr))
-            if beta1 > 0:
-                flat.exp_avg.mul_(beta1).add_(grad, alpha=d * (1 - beta1))
-            flat.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=d * d * (1 - beta2))
-            rate = (d / group["d0"]) * (d if group["safeguard_warmup"] else dlr)
-            flat.s.mul_(beta3).add_(grad, alpha=rate)
+            exp_avgs = [flat.exp_avg] if beta1 > 0 else None
+            _moments(exp_avgs, [flat.exp_avg_sq], [flat.s], [grad], [grad], d=d, rate=rate(group), **betas)
             denominators.append(flat.denominator())
             continue
         _init_state(self, params, beta1)
@@ -250,17 +273,9 @@ def fast_step(self, closure=None):
         states = [self.state[p] for p in params]
         flat = [g.flatten() for g in grads]
         numerators.append(_numerator(flat, states, params) * ((d / group["d0"]) * dlr))
-        if beta1 > 0:
-            exp_avgs = [s["exp_avg"] for s in states]
-            torch._foreach_mul_(exp_avgs, beta1)
-            torch._foreach_add_(exp_avgs, grads, alpha=d * (1 - beta1))
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=d * d * (1 - beta2))
+        exp_avgs = [s["exp_avg"] for s in states] if beta1 > 0 else None
         ss = [s["s"] for s in states]
-        torch._foreach_mul_(ss, beta3)
-        rate = (d / group["d0"]) * (d if group["safeguard_warmup"] else dlr)
-        torch._foreach_add_(ss, flat, alpha=rate)
+        _moments(exp_avgs, [s["exp_avg_sq"] for s in states], ss, grads, flat, d=d, rate=rate(group), **betas)
         denominators.append(torch.stack(torch._foreach_norm(ss, 1)).double().sum())
 
     if not denominators:
@@ -282,20 +297,13 @@ def fast_step(self, closure=None):
         states = flat[0].states if flat is not None else [self.state[p] for p in params]
         for s in states:
             s["step"] += 1
+        step = {"group": group, "d": d, "dlr": dlr, "beta1": beta1}
         if flat is not None:
             flat, grad, param = flat
-            if group["weight_decay"] != 0 and group["decouple"]:
-                param.add_(param, alpha=-group["weight_decay"] * dlr)
-            flat.update(param, grad, d, dlr, group["eps"], beta1)
+            flat.update(param, grad, **step)
             continue
-        denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
-        torch._foreach_add_(denom, d * group["eps"])
-        if group["weight_decay"] != 0 and group["decouple"]:
-            torch._foreach_add_(params, params, alpha=-group["weight_decay"] * dlr)
-        if beta1 > 0:
-            torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denom, value=-dlr)
-        else:
-            torch._foreach_addcdiv_(params, grads, denom, value=-dlr * d)
+        exp_avgs = [s["exp_avg"] for s in states] if beta1 > 0 else None
+        _descend(params, exp_avgs, [s["exp_avg_sq"] for s in states], grads, **step)
     for group in self.param_groups:
         group["k"] = group["k"] + 1
     return loss
