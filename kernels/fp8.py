@@ -32,6 +32,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from flux_kernels.lora_norms import wrapper_of
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm: the contracted and the output dimension are multiples of 16
@@ -244,7 +246,7 @@ def fp8_problem(linear: nn.Linear) -> str | None:
 
 
 def _route(linear: nn.Linear, fn: Fp8Forward) -> None:
-    wrapper = getattr(linear.__dict__.get("forward"), "__self__", None)
+    wrapper = wrapper_of(linear)
     if wrapper is not None and hasattr(wrapper, "org_forward"):  # LoRA applied: only its frozen path changes
         setattr(linear, ATTR, ("lora", wrapper, wrapper.org_forward))
         wrapper.org_forward = fn

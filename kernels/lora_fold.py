@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flux_kernels import lora_norms
+
 ATTR = "_flux_lora_fold"  # on a folded LoRA module: its _Fold; on the model: (hook handle, [_Fold])
 BUFFER = "_flux_lora_fold_wb"  # on a folded Linear: the [N, K + r] buffer, once re-homed
 WIDE = 6  # fold where out_features >= WIDE * in_features (FLUX: the single blocks' linear1, 3072 -> 21504)
@@ -138,7 +140,7 @@ def candidates(model: nn.Module) -> list[tuple[nn.Linear, nn.Module]]:
     for name, m in model.named_modules():
         if "mod" in ".".join(name.split(".")[-2:]):  # img_mod.lin, txt_mod.lin, modulation.lin
             continue
-        lora = getattr(m.__dict__.get("forward"), "__self__", None)
+        lora = lora_norms.wrapper_of(m)
         if lora is None or lora is m or not hasattr(lora, "org_forward") or ATTR in lora.__dict__:
             continue
         if _problem(m, lora) is None:

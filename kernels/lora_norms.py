@@ -130,11 +130,17 @@ class _Shared:
         m.grad_norms = self.norms[id(m)]
 
 
+def wrapper_of(layer: nn.Module):
+    """The object whose bound method replaced `layer.forward` (sd-scripts' LoRA module, whose `apply_to` does so),
+    or None where the layer has its class's forward."""
+    return getattr(layer.__dict__.get("forward"), "__self__", None)
+
+
 def lora_modules(model: nn.Module) -> list[nn.Module]:
     """The LoRA modules applied to `model`'s layers, each once (a LoRA replaces its layer's `forward` with its own)."""
     found: dict[int, nn.Module] = {}
     for m in model.modules():
-        wrapper = getattr(m.__dict__.get("forward"), "__self__", None)
+        wrapper = wrapper_of(m)
         if wrapper is not None and _is_lora(wrapper):
             found.setdefault(id(wrapper), wrapper)
     return list(found.values())
