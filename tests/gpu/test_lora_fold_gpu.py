@@ -12,28 +12,12 @@ from torch import nn
 
 from flux_kernels import lora_fold
 from flux_kernels.reference import max_rel_err
+from tests.unit.test_kernels_lora_fold import Lora  # sd-scripts' LoRAModule as flux_kernels sees it
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (lora_fold is installed on GPUs only)"),
 ]
-
-
-class Lora(nn.Module):
-    """sd-scripts' LoRAModule as flux_kernels sees it (tests/unit/test_kernels_lora_fold.py has the CPU twin)."""
-
-    def __init__(self, linear: nn.Linear, r: int = 16):
-        super().__init__()
-        self.lora_down = nn.Linear(linear.in_features, r, bias=False, device=linear.weight.device)
-        self.lora_up = nn.Linear(r, linear.out_features, bias=False, device=linear.weight.device)
-        nn.init.normal_(self.lora_up.weight, std=0.01)
-        self.scale, self.multiplier = 1.0, 1.0
-        self.dropout = self.rank_dropout = self.module_dropout = None
-        self.org_forward = linear.forward
-        linear.forward = self.forward
-
-    def forward(self, x):
-        return self.org_forward(x) + self.lora_up(self.lora_down(x)) * self.multiplier * self.scale
 
 
 class Layer(nn.Module):
@@ -49,7 +33,7 @@ class Layer(nn.Module):
 def test_folded_linear1_trains_like_sd_scripts_form(mode):
     torch.manual_seed(0)
     plain = Layer()
-    plain_lora = Lora(plain.linear1)
+    plain_lora = Lora(plain.linear1, r=16, alpha=16.0, up_std=0.01)
     model, lora = copy.deepcopy((plain, plain_lora))
     outer = nn.Sequential(model)  # as in training: the hook on the FLUX model runs eagerly, the blocks compiled
     assert lora_fold.install(outer) == 1

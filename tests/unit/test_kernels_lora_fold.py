@@ -61,11 +61,12 @@ class Lora(nn.Module):
     """sd-scripts' LoRAModule as flux_kernels sees it (lora_down/up, scale, multiplier, org_forward, dropouts None),
     with its forward: org + up(down(x)) * multiplier * scale."""
 
-    def __init__(self, linear: nn.Linear, r: int = 4, alpha: float = 2.0):
+    def __init__(self, linear: nn.Linear, r: int = 4, alpha: float = 2.0, up_std: float = 0.2):
         super().__init__()
-        self.lora_down = nn.Linear(linear.in_features, r, bias=False)
-        self.lora_up = nn.Linear(r, linear.out_features, bias=False)
-        nn.init.normal_(self.lora_up.weight, std=0.2)
+        device = linear.weight.device  # fp32 factors beside the layer, as sd-scripts keeps them
+        self.lora_down = nn.Linear(linear.in_features, r, bias=False, device=device)
+        self.lora_up = nn.Linear(r, linear.out_features, bias=False, device=device)
+        nn.init.normal_(self.lora_up.weight, std=up_std)
         self.scale, self.multiplier = alpha / r, 1.0
         self.dropout = self.rank_dropout = self.module_dropout = None
         self.org_forward = linear.forward
