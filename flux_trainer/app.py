@@ -62,6 +62,29 @@ def resolve_memory(cfg: DictConfig, info) -> None:
     say(f"memory=auto: {info.name} has {info.vram_gib or 0:.0f} GiB -> memory={tier}")
 
 
+def checkpoint_skip_spec(cfg: DictConfig) -> dict:
+    """memory.checkpoint_skip for the training process: the setting ("0" without checkpointing), the tier's size
+    (auto never plans past it, on a larger card too) and why auto must leave every block checkpointed."""
+    mem = cfg.memory
+    if not mem.gradient_checkpointing:
+        return {"checkpoint_skip": "0"}
+    tier = str(mem.tier)
+    blocked = None
+    if mem.blocks_to_swap:
+        blocked = "memory.blocks_to_swap: this tier already trades speed for memory"
+    elif mem.cpu_offload_checkpointing:
+        blocked = "memory.cpu_offload_checkpointing: this tier already trades speed for memory"
+    elif mem.fp8_base if mem.fp8_base is not None else cfg.precision.fp8_base:
+        # H200, vram24, kernels=auto: 9 blocks kept measured 0.541 s/step against 0.459 all checkpointed (not
+        # understood yet); a count set by hand still applies
+        blocked = "fp8 base: keeping activations measured slower there"
+    return {
+        "checkpoint_skip": str(mem.checkpoint_skip).strip().lower(),
+        "tier_gib": float(tier.removeprefix("vram")) if tier.removeprefix("vram").isdigit() else None,
+        "blocked": blocked,
+    }
+
+
 def tokenizer_dir(cfg: DictConfig) -> Path:
     """sd-scripts' tokenizer_cache_dir: the config key, $FLUX_TRAIN_TOKENIZER_DIR, the packaged stand-ins for
     random presets (no download), else <cache>/tokenizers (sd-scripts fetches the real ones there once)."""
@@ -166,6 +189,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
             pin_memory=bool(cfg.train.pin_memory),
+            memory=checkpoint_skip_spec(cfg),
         )
         spec.write(run_dir)
         cmd = launch_command.launch_command(

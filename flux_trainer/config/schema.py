@@ -92,6 +92,9 @@ class MemoryConfig:
     cpu_offload_checkpointing: bool = False
     blocks_to_swap: int = 0
     fp8_base: bool | None = None  # None: the precision preset decides
+    # with gradient checkpointing: blocks that keep their activations instead (auto: as many as the card's memory
+    # holds, measured at the first step; 0: every block checkpointed, as sd-scripts does; N: that many)
+    checkpoint_skip: str = "auto"
 
 
 @dataclass

@@ -138,6 +138,16 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
         )
     if mem.blocks_to_swap < 0:
         problems.append(f"memory.blocks_to_swap={mem.blocks_to_swap}: must be 0 or more")
+    try:
+        skip = checkpoint_skip_setting(mem.get("checkpoint_skip", CHECKPOINT_SKIP_AUTO))
+    except ValueError as e:
+        problems.append(str(e))
+    else:
+        if skip not in (0, CHECKPOINT_SKIP_AUTO) and (mem.blocks_to_swap or mem.cpu_offload_checkpointing):
+            problems.append(
+                f"memory.checkpoint_skip={skip} keeps activations on the GPU, against what memory.blocks_to_swap / "
+                "memory.cpu_offload_checkpointing are for; set memory.checkpoint_skip=0 (or auto) with them"
+            )
 
     hw = cfg.hardware.family
     if hw not in FAMILIES:
@@ -196,6 +206,17 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
 
 
 CUDA_GRAPHS_SETTINGS = ("auto", "true", "false")
+CHECKPOINT_SKIP_AUTO = "auto"
+
+
+def checkpoint_skip_setting(value) -> str | int:
+    """memory.checkpoint_skip as `auto` or a count of blocks; ValueError for anything else."""
+    text = str(value).strip().lower()
+    if text == CHECKPOINT_SKIP_AUTO:
+        return CHECKPOINT_SKIP_AUTO
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"memory.checkpoint_skip={value}: choose auto or a number of blocks (0 checkpoints every block)")
 
 
 def kernel_set_problem(kernel_set: str) -> str | None:

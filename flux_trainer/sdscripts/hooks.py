@@ -37,6 +37,8 @@ class RunHooks:
         self._optimizer_kernels: list[str] = []
         self._bypass_reasons: CacheBypassReasons | None = None
         self._compile_cache = ""  # the cache line after the first step (log and TensorBoard's run/compile_cache)
+        self.fit = None  # memory.checkpoint_skip (checkpoint_fit.CheckpointFit), from before_prepare on
+        self._accumulation = 1
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -72,6 +74,10 @@ class RunHooks:
         if getattr(self.spec, "pin_memory", True) and (line := pin_batches(accelerator)):
             log.info(line)
         self._max_steps = int(getattr(args, "max_train_steps", 0) or 0)  # final by now (sd-scripts sets it earlier)
+        self._accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        self.fit = make_checkpoint_fit(
+            getattr(self.spec, "memory", {}) or {}, accelerator.device, self.kernels_installed
+        )
         if self.spec.metrics.get("profile_at"):
             from flux_trainer.metrics.profile import StepProfiler
 
@@ -100,6 +106,11 @@ class RunHooks:
 
             if lora_norms.install_network(network):
                 log.info("lora_grad_norms: the network's grad_norms() (norm/avg_grad_norm) from the batched norms")
+        if self.fit is not None and self._unet is not None:
+            if self._micro_steps == 1 and (line := self.fit.start(self._unet)):
+                log.info(line)
+            elif self._micro_steps == self._accumulation + 1 and (line := self.fit.decide()):
+                log.info(line)
         if "cuda_graphs" in self.kernels_installed:
             import torch
 
@@ -132,6 +143,8 @@ class RunHooks:
             self._compile_cache = report_compile_cache(self._bypass_reasons.reasons if self._bypass_reasons else None)
         if "cuda_graphs" in self.kernels_installed and global_step == GRAPHS_CHECKED_AT:
             self.report_cudagraph_skips()
+        if self.fit is not None:
+            self.fit.note_peak()  # before the step metrics reset PyTorch's peak
         if self.metrics is None:
             return {}
         if not self._texts_written:
@@ -140,6 +153,8 @@ class RunHooks:
         tags = self.metrics.on_step_end(global_step)
         tags.update(self._ranks_peak)
         self._ranks_peak = {}
+        if self.fit is not None and self.fit.total:
+            tags["memory/checkpointed_blocks"] = float(self.fit.total - self.fit.kept)
         if "loss/current" in logs and (msg := self.loss_guard.check(float(logs["loss/current"]), global_step)):
             log.error(msg)
             raise NonFiniteLoss(msg + f"; the last saved state in {self.run_dir} is intact (resume=auto)")
@@ -246,6 +261,24 @@ def pin_batches(accelerator: Any) -> str | None:
 
     accelerator.prepare = prepare
     return f"batches: page-locked host memory, copied to {device} without waiting (train.pin_memory)"
+
+
+def make_checkpoint_fit(memory: dict[str, Any], device: Any, kernels_installed: list[str]) -> Any:
+    """memory.checkpoint_skip for this process (None where it has nothing to do: `0`, or no checkpointing)."""
+    from flux_trainer.config.validate import CHECKPOINT_SKIP_AUTO as AUTO
+    from flux_trainer.config.validate import checkpoint_skip_setting
+    from flux_trainer.sdscripts.checkpoint_fit import CheckpointFit, DeviceMemory
+
+    setting = checkpoint_skip_setting(memory.get("checkpoint_skip", 0))
+    if setting == 0:
+        return None
+    blocked = memory.get("blocked") or None
+    if setting == AUTO and not blocked and "cuda_graphs" in kernels_installed:
+        blocked = "CUDA graphs record the blocks before the first step is measured"
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    return CheckpointFit(
+        setting, tier_gib=memory.get("tier_gib"), blocked=blocked, memory=DeviceMemory(device) if cuda else None
+    )
 
 
 def run_peak_gib(device: Any) -> float:

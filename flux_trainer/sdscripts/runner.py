@@ -38,6 +38,8 @@ class RunnerSpec:
     metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
     tf32: bool = False
     pin_memory: bool = True  # train.pin_memory: pinned batches, non-blocking copies (hooks.pin_batches)
+    # memory.checkpoint_skip with what decides it: {"checkpoint_skip", "tier_gib", "blocked"} (checkpoint_fit)
+    memory: dict[str, Any] = field(default_factory=lambda: {"checkpoint_skip": "0"})
 
     def write(self, run_dir: Path) -> Path:
         path = run_dir / RUNNER_SPEC

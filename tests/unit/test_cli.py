@@ -47,6 +47,43 @@ def test_pin_memory_off_reaches_the_runner(workdir):
 
 
 @pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["memory=vram48"], {"checkpoint_skip": "auto", "tier_gib": 48.0, "blocked": None}),
+        (["memory=vram32", "memory.checkpoint_skip=12"], {"checkpoint_skip": "12", "tier_gib": 32.0, "blocked": None}),
+        (
+            ["memory=vram24", "hardware.family=ada"],
+            {"checkpoint_skip": "auto", "tier_gib": 24.0, "blocked": "fp8 base"},
+        ),
+        (
+            ["memory=vram12", "hardware.family=ada"],
+            {"checkpoint_skip": "0", "tier_gib": 12.0, "blocked": "memory.blocks_to_swap"},
+        ),
+        (["memory=vram80"], {"checkpoint_skip": "0"}),  # no gradient checkpointing: nothing to skip
+    ],
+)
+def test_checkpoint_skip_reaches_the_runner(workdir, args, expected):
+    assert main(["+dataset=mychar", "dry_run=true", *args]) == 0
+    (run,) = run_dirs(workdir)
+    got = RunnerSpec.read(run).memory
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == value if key != "blocked" or value is None else value in got[key], (key, got)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["memory.checkpoint_skip=half"], "choose auto or a number of blocks"),
+        (["memory=vram16", "memory.checkpoint_skip=4"], "memory.checkpoint_skip=4 keeps activations on the GPU"),
+    ],
+)
+def test_checkpoint_skip_bad_values_stop_before_a_run_dir(workdir, capsys, args, needle):
+    assert main(["+dataset=mychar", "dry_run=true", *args]) == 2
+    assert needle in capsys.readouterr().err and not run_dirs(workdir)
+
+
+@pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["dry_run=true"], "+dataset=NAME"),

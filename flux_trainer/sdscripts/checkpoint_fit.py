@@ -1,0 +1,208 @@
+"""Gradient checkpointing only where the card needs it (`memory.checkpoint_skip`).
+
+sd-scripts checkpoints either every FLUX block or none: every block's forward runs twice a step (~a third more
+work), even on a card with room to keep many blocks' activations. Each sd-scripts block decides at its call, from
+its own `gradient_checkpointing` flag, whether to run under `checkpoint(...)`; turning the flag off on some blocks
+after sd-scripts turned it on everywhere keeps their activations for the backward instead of recomputing them.
+
+`auto` measures instead of guessing (activations grow with resolution, batch, LoRA targets and kernels):
+  1. The first optimizer step runs with every block checkpointed except the last double and the last single
+     block; their forward's growth in allocated memory is one block's activations of each kind.
+  2. After that step, the room left is the memory this process may use (the card, or the memory tier's size where
+     that is smaller, less what the CUDA context and other processes hold, within PyTorch's per-process fraction),
+     minus MARGIN of it, minus the step's peak reserved memory. As many more blocks as fit in that room, each at
+     its kind's size, run without checkpointing from the second step on; where the room is negative, measured
+     ones go back to checkpointing.
+Blocks leave checkpointing from the end of the model backwards (single blocks, then double blocks): every block
+costs the same time, and which ones keep activations does not change the peak.
+
+An explicit count `N` un-checkpoints that many blocks (in the same order) from the first step, without measuring.
+`0` checkpoints every block, as sd-scripts does. `auto` does nothing without CUDA, with block swap or CPU-offloaded
+checkpointing (they exist to save memory and move blocks' tensors themselves) and with CUDA graphs (recorded at
+the first steps, they would be recorded before the decision).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from flux_trainer.config.validate import CHECKPOINT_SKIP_AUTO as AUTO
+
+log = logging.getLogger("flux_trainer.runner")
+GIB = 2**30
+MARGIN = 0.15  # of the usable memory kept free: at 8% (H200, tier caps) steps slowed and varied near the cap
+
+
+@dataclass
+class DeviceMemory:
+    """The CUDA memory figures the decision reads (a seam for CPU tests)."""
+
+    device: Any
+
+    def __post_init__(self) -> None:
+        import torch
+
+        device = torch.device(self.device)
+        if device.index is None:  # "cuda": the current one (some of torch's getters want an index)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+
+    def allocated(self) -> int:
+        import torch
+
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_reserved(self) -> int:
+        import torch
+
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def reserved(self) -> int:
+        import torch
+
+        return torch.cuda.memory_reserved(self.device)
+
+    def free_total(self) -> tuple[int, int]:
+        import torch
+
+        return torch.cuda.mem_get_info(self.device)
+
+    def fraction(self) -> float:
+        import torch
+
+        get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        return float(get(self.device)) if get is not None else 1.0
+
+
+def usable_bytes(free: int, total: int, reserved: int, fraction: float, tier_gib: float | None) -> int:
+    """What this process may hold through PyTorch: the card (or the tier's size, where smaller) less what is used
+    outside PyTorch's cache (the CUDA context, other processes), within PyTorch's per-process fraction."""
+    outside = max(0, total - free - reserved)
+    card = min(total, int(tier_gib * GIB)) if tier_gib else total
+    return max(0, min(card - outside, int(total * fraction)))
+
+
+def blocks_that_fit(room: int, sizes: list[int]) -> int:
+    """How many of the blocks whose activations take `sizes` bytes (in the order they would leave checkpointing)
+    fit in `room` bytes, taken in order; negative when the room is negative (that many measured ones must go back:
+    each of those is counted at the largest size)."""
+    if room < 0:
+        return -math.ceil(-room / max(sizes, default=1))
+    n = 0
+    for size in sizes:
+        if size <= 0 or size > room:
+            break
+        room -= size
+        n += 1
+    return n
+
+
+def skip_order(flux: Any) -> list[tuple[str, Any]]:
+    """Blocks in the order they leave checkpointing: single blocks from the last, then double blocks from the last,
+    except that the last double block comes second (with the last single one, the two `auto` measures)."""
+    singles = [("single", b) for b in reversed(list(getattr(flux, "single_blocks", [])))]
+    doubles = [("double", b) for b in reversed(list(getattr(flux, "double_blocks", [])))]
+    head = singles[:1] + doubles[:1]
+    return head + singles[1:] + doubles[1:]
+
+
+@dataclass
+class CheckpointFit:
+    """One training process's `memory.checkpoint_skip`: `start` at the first micro-step, `note_peak` before
+    anything resets the peak statistics, `decide` once the first optimizer step is done."""
+
+    setting: str | int
+    tier_gib: float | None = None
+    blocked: str | None = None  # why auto does nothing (block swap, CPU offload, CUDA graphs)
+    memory: DeviceMemory | None = None  # None: no CUDA
+    per_block: dict[str, int] = field(default_factory=dict)
+    kept: int = 0  # blocks running without checkpointing now
+    total: int = 0
+    line: str = ""
+    _order: list[tuple[str, Any]] = field(default_factory=list)
+    _handles: list[Any] = field(default_factory=list)
+    _peak: int = 0
+    _measuring: bool = False
+
+    def start(self, flux: Any) -> str | None:
+        """At the first micro-step: apply a count, or un-checkpoint the two blocks `auto` measures. Returns a log
+        line where something was decided or will not be."""
+        self._order = [(kind, b) for kind, b in skip_order(flux) if getattr(b, "gradient_checkpointing", False)]
+        self.total = len(self._order)
+        if not self._order:
+            return None
+        if self.setting != AUTO:
+            self._keep(int(self.setting))
+            return self._say(f"memory.checkpoint_skip={self.setting}")
+        why = self.blocked or (None if self.memory is not None else "no CUDA device")
+        if why:
+            self.line = f"gradient checkpointing on all {self.total} blocks (memory.checkpoint_skip=auto: {why})"
+            return self.line
+        measured = self._order[:2]
+        for kind, block in measured:
+            self._handles.append(block.register_forward_pre_hook(self._before))
+            self._handles.append(block.register_forward_hook(self._after(kind)))
+        self._keep(len(measured))
+        self._measuring = True
+        return None
+
+    def _before(self, module: Any, args: Any) -> None:
+        module._flux_fit_allocated = self.memory.allocated()
+
+    def _after(self, kind: str):
+        def hook(module: Any, args: Any, output: Any) -> None:
+            grown = self.memory.allocated() - getattr(module, "_flux_fit_allocated", 0)
+            self.per_block[kind] = max(self.per_block.get(kind, 0), grown)
+
+        return hook
+
+    def note_peak(self) -> None:
+        """Keep the peak reserved memory so far (the step metrics reset PyTorch's peak after every log)."""
+        if self._measuring:
+            self._peak = max(self._peak, self.memory.peak_reserved())
+
+    def decide(self) -> str | None:
+        """After the first optimizer step of `auto`: how many blocks keep their activations from now on."""
+        if not self._measuring:
+            return None
+        self._measuring = False
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        try:
+            return self._fit()
+        except Exception as e:  # noqa: BLE001 - a speed-up that cannot decide leaves sd-scripts' safe default
+            self._keep(0)
+            log.warning(
+                "memory.checkpoint_skip=auto could not decide (%s: %s): every block checkpointed", type(e).__name__, e
+            )
+            return None
+
+    def _fit(self) -> str:
+        self._peak = max(self._peak, self.memory.peak_reserved())
+        free, total = self.memory.free_total()
+        usable = usable_bytes(free, total, self.memory.reserved(), self.memory.fraction(), self.tier_gib)
+        room = int(usable * (1 - MARGIN)) - self._peak
+        sizes = [self.per_block.get(kind, 0) for kind, _ in self._order[self.kept :]]
+        more = blocks_that_fit(room, sizes) if self.per_block else 0
+        self._keep(self.kept + more)
+        measured = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(self.per_block.items()))
+        return self._say(
+            f"memory.checkpoint_skip=auto: activations per block {measured} GiB; first step's peak "
+            f"{self._peak / GIB:.1f} GiB reserved of {usable / GIB:.1f} GiB usable"
+        )
+
+    def _keep(self, n: int) -> None:
+        self.kept = max(0, min(n, self.total))
+        for i, (_, block) in enumerate(self._order):
+            block.gradient_checkpointing = i >= self.kept
+
+    def _say(self, why: str) -> str:
+        self.line = (
+            f"gradient checkpointing on {self.total - self.kept} of {self.total} blocks, {self.kept} keep their "
+            f"activations ({why})"
+        )
+        return self.line

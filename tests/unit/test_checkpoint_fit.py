@@ -1,0 +1,241 @@
+"""memory.checkpoint_skip (flux_trainer/sdscripts/checkpoint_fit.py): which blocks keep their activations.
+
+CUDA's memory figures come from a fake here (the GPU run is in the README); the order, the fit, the fallbacks and,
+with an sd-scripts checkout, gradients through sd-scripts' own blocks with some of them un-checkpointed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from flux_trainer.config.validate import checkpoint_skip_setting
+from flux_trainer.sdscripts.checkpoint_fit import GIB, MARGIN, CheckpointFit, blocks_that_fit, skip_order, usable_bytes
+
+
+class Block(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.gradient_checkpointing = True
+
+    def forward(self, x):
+        return x + 1
+
+
+def model(doubles: int = 3, singles: int = 4) -> nn.Module:
+    m = nn.Module()
+    m.double_blocks = nn.ModuleList([Block(f"d{i}") for i in range(doubles)])
+    m.single_blocks = nn.ModuleList([Block(f"s{i}") for i in range(singles)])
+    return m
+
+
+class FakeMemory:
+    """allocated() grows by `grow[kind]` across one forward of a block of that kind (the hooks read it around it)."""
+
+    def __init__(self, grow: dict[str, int], peak: int, free: int, total: int, reserved: int, fraction: float = 1.0):
+        self.grow, self.peak, self.free, self.total, self.res, self.frac = grow, peak, free, total, reserved, fraction
+        self.now = 0
+        self.fail = False
+
+    def allocated(self) -> int:
+        return self.now
+
+    def peak_reserved(self) -> int:
+        return self.peak
+
+    def reserved(self) -> int:
+        return self.res
+
+    def free_total(self) -> tuple[int, int]:
+        if self.fail:
+            raise RuntimeError("no device")
+        return self.free, self.total
+
+    def fraction(self) -> float:
+        return self.frac
+
+
+def step(m: nn.Module, mem: FakeMemory) -> None:
+    """One forward of every block, allocated memory growing by the block kind's activations as it runs."""
+    for kind, blocks in (("double", m.double_blocks), ("single", m.single_blocks)):
+        for b in blocks:
+            b.register_forward_pre_hook(lambda *_, k=kind: setattr(mem, "now", mem.now + mem.grow[k]), prepend=False)
+    x = torch.zeros(1)
+    for b in list(m.double_blocks) + list(m.single_blocks):
+        x = b(x)
+
+
+def unchecked(m: nn.Module) -> list[str]:
+    return [b.name for b in list(m.double_blocks) + list(m.single_blocks) if not b.gradient_checkpointing]
+
+
+def test_order_is_the_two_measured_then_singles_then_doubles_from_the_end():
+    assert [b.name for _, b in skip_order(model())] == ["s3", "d2", "s2", "s1", "s0", "d1", "d0"]
+    assert [b.name for _, b in skip_order(model(doubles=0, singles=2))] == ["s1", "s0"]
+
+
+def test_usable_bytes_takes_the_smallest_limit_less_what_is_outside_torch():
+    total = 80 * GIB
+    # the card, less 1 GiB outside PyTorch (context, other processes): free + reserved = total - 1 GiB
+    assert usable_bytes(free=60 * GIB, total=total, reserved=19 * GIB, fraction=1.0, tier_gib=None) == 79 * GIB
+    # a memory tier smaller than the card caps it
+    assert usable_bytes(free=60 * GIB, total=total, reserved=19 * GIB, fraction=1.0, tier_gib=48) == 47 * GIB
+    # PyTorch's per-process fraction caps it too (flux-train bench --vram-cap)
+    assert usable_bytes(free=60 * GIB, total=total, reserved=19 * GIB, fraction=0.25, tier_gib=48) == 20 * GIB
+
+
+def test_blocks_that_fit_takes_sizes_in_order_and_gives_back_when_over():
+    assert blocks_that_fit(7, [3, 3, 5]) == 2
+    assert blocks_that_fit(5, [3, 3, 5]) == 1
+    assert blocks_that_fit(2, [3, 3]) == 0
+    assert blocks_that_fit(0, [3, 3]) == 0
+    assert blocks_that_fit(-1, [3, 5]) == -1  # each one given back counts at the largest size
+    assert blocks_that_fit(-6, [3, 5]) == -2
+    assert blocks_that_fit(10, [0, 3]) == 0  # an unmeasured size never counts as free
+
+
+def test_a_count_unchecks_that_many_from_the_first_step():
+    m = model()
+    fit = CheckpointFit(3)
+    assert "on 4 of 7 blocks, 3 keep" in fit.start(m)
+    assert unchecked(m) == ["d2", "s2", "s3"]
+    assert fit.decide() is None  # nothing measured, nothing to decide
+    fit = CheckpointFit(99)
+    fit.start(m := model())
+    assert len(unchecked(m)) == 7
+
+
+def test_auto_measures_two_blocks_then_keeps_what_fits():
+    m = model(doubles=3, singles=4)
+    mem = FakeMemory(
+        {"double": 3 * GIB, "single": 2 * GIB}, peak=23 * GIB, free=10 * GIB, total=40 * GIB, reserved=30 * GIB
+    )
+    fit = CheckpointFit("auto", memory=mem)
+    assert fit.start(m) is None
+    assert unchecked(m) == ["d2", "s3"]  # the two measured ones run without checkpointing in the first step
+    step(m, mem)
+    fit.note_peak()
+    line = fit.decide()
+    assert fit.per_block == {"double": 3 * GIB, "single": 2 * GIB}
+    room = int(40 * GIB * (1 - MARGIN)) - 23 * GIB  # 11 GiB: s2, s1, s0 (2 each), d1 (3) fit, d0 would not
+    assert room == 11 * GIB
+    assert fit.kept == 6 and unchecked(m) == ["d1", "d2", "s0", "s1", "s2", "s3"], line
+    assert "6 keep their activations" in line and "double 3.00, single 2.00 GiB" in line
+    blocks = list(m.double_blocks) + list(m.single_blocks)
+    assert all(not b._forward_hooks and len(b._forward_pre_hooks) == 1 for b in blocks), "measuring hooks left"
+
+
+def test_auto_without_room_sends_the_measured_blocks_back():
+    m = model()
+    mem = FakeMemory({"double": 3 * GIB, "single": 2 * GIB}, peak=39 * GIB, free=0, total=40 * GIB, reserved=40 * GIB)
+    fit = CheckpointFit("auto", memory=mem)
+    fit.start(m)
+    step(m, mem)
+    fit.decide()
+    assert fit.kept == 0 and unchecked(m) == []
+
+
+def test_auto_keeps_every_block_checkpointed_where_it_must_or_cannot_measure(caplog):
+    m = model()
+    line = CheckpointFit("auto", blocked="memory.blocks_to_swap: this tier", memory=object()).start(m)
+    assert unchecked(m) == [] and "on all 7 blocks" in line and "blocks_to_swap" in line
+    assert "no CUDA device" in CheckpointFit("auto", memory=None).start(model())
+    mem = FakeMemory({"double": GIB, "single": GIB}, peak=GIB, free=GIB, total=40 * GIB, reserved=GIB)
+    fit = CheckpointFit("auto", memory=mem)
+    fit.start(m := model())
+    step(m, mem)
+    mem.fail = True
+    with caplog.at_level(logging.WARNING, logger="flux_trainer.runner"):
+        assert fit.decide() is None
+    assert unchecked(m) == [] and "could not decide" in caplog.text
+
+
+def test_blocks_that_do_not_checkpoint_are_left_alone():
+    m = model()
+    for b in m.single_blocks:
+        b.gradient_checkpointing = False  # sd-scripts did not enable it there (or no checkpointing at all)
+    fit = CheckpointFit(1)
+    fit.start(m)
+    assert fit.total == 3 and unchecked(m) == ["d2", "s0", "s1", "s2", "s3"]
+    assert CheckpointFit("auto", memory=object()).start(model(0, 0)) is None
+
+
+def test_setting_values():
+    assert checkpoint_skip_setting("auto") == "auto" and checkpoint_skip_setting(" AUTO ") == "auto"
+    assert checkpoint_skip_setting(12) == 12 and checkpoint_skip_setting("0") == 0
+    for bad in ("-1", "half", "1.5"):
+        with pytest.raises(ValueError, match="choose auto or a number of blocks"):
+            checkpoint_skip_setting(bad)
+
+
+def test_sd_scripts_blocks_give_the_same_gradients_with_some_unchecked(fm):
+    """sd-scripts' own Flux, checkpointing turned on as sd-scripts does: with a count, some blocks run without
+    checkpointing, and the input and weight gradients equal the all-checkpointed ones."""
+    from tests.conftest import tiny_flux, tiny_flux_forward
+
+    flux = tiny_flux(fm, depth=2, depth_single_blocks=3)
+    flux.train()
+
+    def grads(skip: int) -> list[torch.Tensor]:
+        flux.zero_grad(set_to_none=True)
+        flux.enable_gradient_checkpointing()
+        if skip:
+            fit = CheckpointFit(skip)
+            fit.start(flux)
+            assert fit.kept == skip and sum(not b.gradient_checkpointing for b in skip_order_blocks(flux)) == skip
+        torch.manual_seed(3)  # tiny_flux_forward draws its timestep from the global generator
+        tiny_flux_forward(flux).square().mean().backward()
+        return [p.grad.clone() for p in flux.parameters() if p.grad is not None]
+
+    base, mixed = grads(0), grads(3)
+    assert len(base) == len(mixed) > 0
+    for a, b in zip(base, mixed, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def skip_order_blocks(flux) -> list[nn.Module]:
+    return [b for _, b in skip_order(flux)]
+
+
+def test_run_hooks_measure_over_the_first_optimizer_step_and_decide_after_it(tmp_path):
+    """Through the runner's hooks, with gradient accumulation 2: measured in micro-steps 1-2, decided at 3; the
+    peak is kept before the step metrics reset it; TensorBoard gets memory/checkpointed_blocks."""
+    from flux_trainer.metrics.health import LossGuard, SlowdownDetector
+    from flux_trainer.metrics.step import StepMetrics
+    from flux_trainer.sdscripts.hooks import RunHooks
+    from flux_trainer.sdscripts.runner import RunnerSpec
+
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    m = model(doubles=3, singles=4)
+    mem = FakeMemory(
+        {"double": 3 * GIB, "single": 2 * GIB}, peak=23 * GIB, free=10 * GIB, total=40 * GIB, reserved=30 * GIB
+    )
+    h._unet, h._accumulation, h.fit = m, 2, CheckpointFit("auto", memory=mem)
+    h.metrics = StepMetrics("cpu", flops_per_step=1e12, images_per_step=1, nvml=None)
+    h.metrics.start()
+    h.loss_guard, h.slowdown = LossGuard(patience=3), SlowdownDetector(nvml=None)
+    h.step_start()
+    assert unchecked(m) == ["d2", "s3"]
+    step(m, mem)
+    h.step_start()  # micro-step 2: same optimizer step, nothing decided yet
+    assert h.fit.kept == 2
+    tags = h.step_end(None, {}, 1)
+    mem.peak = 0  # what a reset leaves behind: the decision must use the peak read before it
+    assert tags["memory/checkpointed_blocks"] == 5.0
+    h.step_start()
+    assert h.fit.kept == 6 and h.step_end(None, {}, 2)["memory/checkpointed_blocks"] == 1.0
+
+
+def test_make_checkpoint_fit_from_the_runner_spec():
+    from flux_trainer.sdscripts.hooks import make_checkpoint_fit
+
+    cpu = torch.device("cpu")
+    assert make_checkpoint_fit({"checkpoint_skip": "0"}, cpu, []) is None
+    fit = make_checkpoint_fit({"checkpoint_skip": "auto", "tier_gib": 48.0}, cpu, [])
+    assert fit.memory is None and fit.tier_gib == 48.0  # no CUDA: nothing to measure
+    fit = make_checkpoint_fit({"checkpoint_skip": "auto"}, cpu, ["compile_blocks", "cuda_graphs"])
+    assert "CUDA graphs" in fit.blocked
+    assert make_checkpoint_fit({"checkpoint_skip": "5"}, cpu, ["cuda_graphs"]).setting == 5
