@@ -121,7 +121,6 @@ class CheckpointFit:
     per_block: dict[str, int] = field(default_factory=dict)
     kept: int = 0  # blocks running without checkpointing now
     total: int = 0
-    line: str = ""
     _order: list[tuple[str, Any]] = field(default_factory=list)
     _handles: list[Any] = field(default_factory=list)
     _peak: int = 0
@@ -139,8 +138,7 @@ class CheckpointFit:
             return self._say(f"memory.checkpoint_skip={self.setting}")
         why = self.blocked or (None if self.memory is not None else "no CUDA device")
         if why:
-            self.line = f"gradient checkpointing on all {self.total} blocks (memory.checkpoint_skip=auto: {why})"
-            return self.line
+            return f"gradient checkpointing on all {self.total} blocks (memory.checkpoint_skip=auto: {why})"
         measured = self._order[:2]
         for kind, block in measured:
             self._handles.append(block.register_forward_pre_hook(self._before))
@@ -201,8 +199,7 @@ class CheckpointFit:
             block.gradient_checkpointing = i >= self.kept
 
     def _say(self, why: str) -> str:
-        self.line = (
+        return (
             f"gradient checkpointing on {self.total - self.kept} of {self.total} blocks, {self.kept} keep their "
             f"activations ({why})"
         )
-        return self.line
