@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root, model_cache, shipped_config_dir
-from flux_trainer.config.validate import cuda_graphs_decision, cuda_graphs_setting, validate
+from flux_trainer.config.validate import cuda_graphs_decision, cuda_graphs_setting, tier_gib, validate
 from flux_trainer.launch import command as launch_command
 from flux_trainer.launch import device as launch_device
 from flux_trainer.launch import profiles
@@ -68,7 +68,6 @@ def checkpoint_skip_spec(cfg: DictConfig) -> dict:
     mem = cfg.memory
     if not mem.gradient_checkpointing:
         return {"checkpoint_skip": "0"}
-    tier = str(mem.tier)
     blocked = None
     if mem.blocks_to_swap:
         blocked = "memory.blocks_to_swap: this tier already trades speed for memory"
@@ -80,7 +79,7 @@ def checkpoint_skip_spec(cfg: DictConfig) -> dict:
         blocked = "fp8 base: keeping activations measured slower there"
     return {
         "checkpoint_skip": str(mem.checkpoint_skip).strip().lower(),
-        "tier_gib": float(tier.removeprefix("vram")) if tier.removeprefix("vram").isdigit() else None,
+        "tier_gib": tier_gib(mem.tier),
         "blocked": blocked,
     }
 

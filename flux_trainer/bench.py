@@ -296,9 +296,11 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
         return None
     if vram_cap != "tier":
         return float(vram_cap)
+    from flux_trainer.config.validate import tier_gib
+
     for o in overrides:
         if o.startswith("memory=vram"):
-            return float(o.removeprefix("memory=vram"))
+            return tier_gib(o.removeprefix("memory="))
     return None
 
 

@@ -19,6 +19,14 @@ from flux_trainer.config.errors import ConfigError
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 OPTIMIZERS = ("prodigy", "adamw", "adamw8bit", "adafactor")
 MEMORY_TIERS = ("auto", "cpu", "vram12", "vram16", "vram24", "vram32", "vram48", "vram80")
+
+
+def tier_gib(tier: str) -> float | None:
+    """The card size a memory tier is for (`vram48` -> 48.0); None for `auto` and `cpu`."""
+    size = str(tier).removeprefix("vram")
+    return float(size) if size.isdigit() else None
+
+
 FAMILIES = ("auto", "blackwell_consumer", "blackwell", "hopper", "ada", "ampere", "older", "cpu")
 FP8_FAMILIES = ("blackwell_consumer", "blackwell", "hopper", "ada")
 RESOLUTION_RANGE = (64, 2048)
