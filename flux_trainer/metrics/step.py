@@ -24,7 +24,7 @@ from flux_trainer.metrics.flops import mfu
 from flux_trainer.metrics.nvml import NvmlReader
 
 GIB = float(1 << 30)
-VRAM_TAGS = ("vram/allocated_gib", "vram/reserved_gib", "vram/peak_gib")
+VRAM_TAGS = ("vram/allocated_gib", "vram/reserved_gib", "vram/peak_gib", "vram/alloc_retries")
 
 
 class StepMetrics:
@@ -38,7 +38,9 @@ class StepMetrics:
     On a device that is not CUDA, the ``vram/*`` tags are 0.0 (there is no device allocator to ask), and there
     are no ``gpu/*`` tags. With ``log_every=N`` only every N-th step returns tags (the others return ``{}``
     after one clock read); ``time/*`` and throughput are then means over the N steps, ``vram/peak_gib`` the
-    peak over them.
+    peak over them, ``vram/alloc_retries`` the count over them: how often PyTorch's allocator found no free
+    block, released its whole cache to the driver and tried again (a device sync and a stall each time; more than
+    0 means the card is at its memory limit and the steps are slower for it).
 
     Timing: the first ``on_step_end`` has nothing to measure from unless ``start()`` was called, so it returns
     no ``time/*`` or throughput tags (that step also carries warm-up and compilation, which would mislead).
@@ -79,6 +81,7 @@ class StepMetrics:
         self._steps = 0
         self._data_s = 0.0
         self._waiting_for_data = False
+        self._retries = 0  # the allocator's cumulative num_alloc_retries at the last log
 
     def start(self) -> None:
         """Mark the start of the loop, so the first step gets a time too."""
@@ -132,6 +135,9 @@ class StepMetrics:
             "vram/reserved_gib": torch.cuda.memory_reserved(dev) / GIB,
             "vram/peak_gib": torch.cuda.max_memory_allocated(dev) / GIB,
         }
+        retries = int(torch.cuda.memory_stats(dev).get("num_alloc_retries", 0))  # not reset by reset_peak_...
+        tags["vram/alloc_retries"] = float(retries - self._retries)
+        self._retries = retries
         torch.cuda.reset_peak_memory_stats(dev)  # so the next peak is the peak since this log
         return tags
 

@@ -39,6 +39,7 @@ class RunHooks:
         self._compile_cache = ""  # the cache line after the first step (log and TensorBoard's run/compile_cache)
         self.fit = None  # memory.checkpoint_skip (checkpoint_fit.CheckpointFit), from before_prepare on
         self._accumulation = 1
+        self._retries_warned = False
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -160,6 +161,9 @@ class RunHooks:
             raise NonFiniteLoss(msg + f"; the last saved state in {self.run_dir} is intact (resume=auto)")
         if "time/step_s" in tags and (msg := self.slowdown.observe(tags["time/step_s"], global_step)):
             log.warning(msg)
+        if tags.get("vram/alloc_retries") and not self._retries_warned:
+            self._retries_warned = True
+            log.warning(alloc_retries_message(tags["vram/alloc_retries"], global_step, self.fit))
         return tags
 
     def report_cudagraph_skips(self) -> None:
@@ -278,6 +282,22 @@ def make_checkpoint_fit(memory: dict[str, Any], device: Any, kernels_installed: 
     cuda = getattr(device, "type", str(device)) == "cuda"
     return CheckpointFit(
         setting, tier_gib=memory.get("tier_gib"), blocked=blocked, memory=DeviceMemory(device) if cuda else None
+    )
+
+
+def alloc_retries_message(retries: float, step: int, fit: Any) -> str:
+    """The card ran out of memory PyTorch could cache (warned once a run): what it costs and what frees memory."""
+    kept = getattr(fit, "kept", 0)
+    what = (
+        f"memory.checkpoint_skip=0 (now {kept} blocks keep their activations), "
+        if kept
+        else "a lower memory tier (memory=vramNN with a smaller NN: more checkpointing, fp8 base, block swap), "
+    )
+    return (
+        f"step {step}: PyTorch's allocator found no free memory {retries:.0f} time(s) since the last log and gave "
+        "its whole cache back to the driver to retry (a device sync and a stall each time; TensorBoard "
+        f"vram/alloc_retries): the card is at its memory limit and steps are slower for it. To free memory: {what}"
+        "a smaller batch or resolution, or closing other programs on this GPU."
     )
 
 

@@ -52,6 +52,21 @@ def test_nan_loss_stops_after_patience(tmp_path):
     assert "step" in str(info.value) and "resume=auto" in str(info.value)
 
 
+def test_allocator_retries_warned_once_with_what_frees_memory(tmp_path, caplog, monkeypatch):
+    t = iter(float(i) for i in range(100))
+    h = hooks(tmp_path, lambda: next(t))
+    retries = iter([0.0, 3.0, 1.0])
+    real = h.metrics.on_step_end
+    monkeypatch.setattr(h.metrics, "on_step_end", lambda step: {**real(step), "vram/alloc_retries": next(retries)})
+    h.fit = SimpleNamespace(kept=12, total=57, note_peak=lambda: None)
+    with caplog.at_level("WARNING", logger="flux_trainer.runner"):
+        for step in (1, 2, 3):
+            h.step_end(FakeAccelerator(), {"loss/current": 0.5}, step)
+    warned = [r.getMessage() for r in caplog.records if "allocator" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 2:") and "3 time(s)" in warned[0]
+    assert "memory.checkpoint_skip=0 (now 12 blocks" in warned[0]
+
+
 def test_child_exit_code_survives_accelerate(tmp_path):
     assert child_exit_code(tmp_path, 1) == 1  # nothing recorded
     (tmp_path / EXIT_FILE).write_text(json.dumps({"code": 3, "reason": "nan"}))

@@ -86,7 +86,9 @@ def test_cuda_path_reads_allocator_resets_peak_and_never_syncs(monkeypatch):
         "memory_reserved": lambda dev: 3 * GIB,
         "max_memory_allocated": lambda dev: 5 * GIB,
         "reset_peak_memory_stats": lambda dev: calls.append(("reset", dev)),
+        "memory_stats": lambda dev: {"num_alloc_retries": retries.pop(0), "num_ooms": 0},
     }
+    retries = [2, 2, 7]  # cumulative, as PyTorch counts them
     for name, fn in fake.items():
         monkeypatch.setattr(torch.cuda, name, fn)
 
@@ -95,11 +97,14 @@ def test_cuda_path_reads_allocator_resets_peak_and_never_syncs(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     monkeypatch.setattr(torch.Tensor, "item", no_sync)
-    m = StepMetrics("cuda:1", 1e12, 1, clock=FakeClock(0.0, 1.0), nvml=None)
+    m = StepMetrics("cuda:1", 1e12, 1, clock=FakeClock(0.0, 1.0, 2.0, 3.0), nvml=None)
     m.start()
     tags = m.on_step_end(1)
     assert (tags["vram/allocated_gib"], tags["vram/reserved_gib"], tags["vram/peak_gib"]) == (2.0, 3.0, 5.0)
     assert calls == [("reset", torch.device("cuda", 1))]
+    # the allocator's retries since the last log, not PyTorch's running total
+    later = [m.on_step_end(step)["vram/alloc_retries"] for step in (2, 3)]
+    assert [tags["vram/alloc_retries"], *later] == [2.0, 0.0, 5.0]
 
 
 def test_nvml_absent_gives_no_gpu_tags_and_no_noise(caplog, monkeypatch):
