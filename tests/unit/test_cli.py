@@ -53,7 +53,7 @@ def test_pin_memory_off_reaches_the_runner(workdir):
         (["memory=vram32", "memory.checkpoint_skip=12"], {"checkpoint_skip": "12", "tier_gib": 32.0, "blocked": None}),
         (
             ["memory=vram24", "hardware.family=ada"],
-            {"checkpoint_skip": "auto", "tier_gib": 24.0, "blocked": "fp8 base"},
+            {"checkpoint_skip": "auto", "tier_gib": 24.0, "blocked": None},  # fp8 base: measured faster too
         ),
         (
             ["memory=vram12", "hardware.family=ada"],
