@@ -64,7 +64,8 @@ def resolve_memory(cfg: DictConfig, info) -> None:
 
 def checkpoint_skip_spec(cfg: DictConfig) -> dict:
     """memory.checkpoint_skip for the training process: the setting ("0" without checkpointing), the tier's size
-    (auto never plans past it, on a larger card too) and why auto must leave every block checkpointed."""
+    (auto never plans past it, on a larger card too), why auto must leave every block checkpointed, and the largest
+    bucket's image tokens (auto scales what it measured on a smaller first batch up to it)."""
     mem = cfg.memory
     if not mem.gradient_checkpointing:
         return {"checkpoint_skip": "0"}
@@ -73,10 +74,13 @@ def checkpoint_skip_spec(cfg: DictConfig) -> dict:
         blocked = "memory.blocks_to_swap: this tier already trades speed for memory"
     elif mem.cpu_offload_checkpointing:
         blocked = "memory.cpu_offload_checkpointing: this tier already trades speed for memory"
+    resolution = int(cfg.dataset.resolution)
     return {
         "checkpoint_skip": str(mem.checkpoint_skip).strip().lower(),
         "tier_gib": tier_gib(mem.tier),
         "blocked": blocked,
+        # the largest bucket: area <= resolution², one image token per 16x16 pixels (8x VAE, 2x2 patches)
+        "max_image_tokens": resolution * resolution // 256,
     }
 
 

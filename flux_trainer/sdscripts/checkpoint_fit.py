@@ -13,6 +13,10 @@ after sd-scripts turned it on everywhere keeps their activations for the backwar
      minus MARGIN of it, minus the step's peak reserved memory. As many more blocks as fit in that room, each at
      its kind's size, run without checkpointing from the second step on; where the room is negative, measured
      ones go back to checkpointing.
+The first step's batch may be smaller than the largest the dataset can bring (sd-scripts' `bucket_no_upscale`
+keeps small images small): activations grow with the tokens, so each block's measured size, and the part of the
+peak above what was allocated before the first forward, are scaled to the largest bucket (`max_image_tokens`, the
+resolution's area / 16²) before they are compared with the room.
 Blocks leave checkpointing from the end of the model backwards (single blocks, then double blocks): every block
 costs the same time, and which ones keep activations does not change the peak.
 
@@ -116,6 +120,7 @@ class CheckpointFit:
 
     setting: str | int
     tier_gib: float | None = None
+    max_image_tokens: int | None = None  # the largest bucket's image tokens (None: sizes as measured)
     blocked: str | None = None  # why auto does nothing (block swap, CPU offload, CUDA graphs)
     memory: DeviceMemory | None = None  # None: no CUDA
     per_block: dict[str, int] = field(default_factory=dict)
@@ -125,6 +130,9 @@ class CheckpointFit:
     _handles: list[Any] = field(default_factory=list)
     _peak: int = 0
     _measuring: bool = False
+    _static: int = 0  # allocated before the first forward (weights, LoRA): what does not grow with the tokens
+    _text_tokens: int | None = None  # the measured forward's (from the double block, which runs first)
+    _peak_scale: float | None = None  # the smallest token scale seen: the step's largest batch set its peak
 
     def start(self, flux: Any) -> str | None:
         """At the first micro-step: apply a count, or un-checkpoint the two blocks `auto` measures. Returns a log
@@ -139,10 +147,11 @@ class CheckpointFit:
         why = self.blocked or (None if self.memory is not None else "no CUDA device")
         if why:
             return f"gradient checkpointing on all {self.total} blocks (memory.checkpoint_skip=auto: {why})"
+        self._static = self.memory.allocated()
         measured = self._order[:2]
         for kind, block in measured:
             self._handles.append(block.register_forward_pre_hook(self._before))
-            self._handles.append(block.register_forward_hook(self._after(kind)))
+            self._handles.append(block.register_forward_hook(self._after(kind), with_kwargs=True))
         self._keep(len(measured))
         self._measuring = True
         return None
@@ -151,11 +160,31 @@ class CheckpointFit:
         module._flux_fit_allocated = self.memory.allocated()
 
     def _after(self, kind: str):
-        def hook(module: Any, args: Any, output: Any) -> None:
+        def hook(module: Any, args: Any, kwargs: dict, output: Any) -> None:
             grown = self.memory.allocated() - getattr(module, "_flux_fit_allocated", 0)
-            self.per_block[kind] = max(self.per_block.get(kind, 0), grown)
+            scale = self._token_scale(kind, args, kwargs)
+            self._peak_scale = scale if self._peak_scale is None else min(self._peak_scale, scale)
+            self.per_block[kind] = max(self.per_block.get(kind, 0), int(grown * scale))
 
         return hook
+
+    def _token_scale(self, kind: str, args: tuple, kwargs: dict) -> float:
+        """How much larger the largest bucket's activations are than this forward's (>= 1; 1 where the shapes are
+        not known). sd-scripts' blocks take (img, txt, ...) (double) and (x, ...) (single: text + image tokens),
+        by position or by name."""
+        names = ("img", "txt") if kind == "double" else ("x",)
+        given = [kwargs[n] if n in kwargs else args[i] if i < len(args) else None for i, n in enumerate(names)]
+        tokens = [t.shape[1] if getattr(t, "ndim", 0) == 3 else None for t in given]
+        if not self.max_image_tokens or None in tokens:
+            return 1.0
+        if kind == "double":
+            image, self._text_tokens = tokens
+        elif self._text_tokens is not None:
+            image = tokens[0] - self._text_tokens
+        else:
+            return 1.0
+        text = self._text_tokens
+        return max(1.0, (self.max_image_tokens + text) / max(1, image + text))
 
     def note_peak(self) -> None:
         """Keep the peak reserved memory so far (the step metrics reset PyTorch's peak after every log)."""
@@ -181,16 +210,19 @@ class CheckpointFit:
 
     def _fit(self) -> str:
         self._peak = max(self._peak, self.memory.peak_reserved())
+        scale = self._peak_scale or 1.0
+        peak = self._static + int(max(0, self._peak - self._static) * scale)
         free, total = self.memory.free_total()
         usable = usable_bytes(free, total, self.memory.reserved(), self.memory.fraction(), self.tier_gib)
-        room = int(usable * (1 - MARGIN)) - self._peak
+        room = int(usable * (1 - MARGIN)) - peak
         sizes = [self.per_block.get(kind, 0) for kind, _ in self._order[self.kept :]]
         more = blocks_that_fit(room, sizes) if self.per_block else 0
         self._keep(self.kept + more)
         measured = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(self.per_block.items()))
+        larger = f" (scaled {scale:.2f}x to the largest bucket)" if scale > 1 else ""
         return self._say(
             f"memory.checkpoint_skip=auto: activations per block {measured} GiB; first step's peak "
-            f"{self._peak / GIB:.1f} GiB reserved of {usable / GIB:.1f} GiB usable"
+            f"{peak / GIB:.1f} GiB reserved{larger} of {usable / GIB:.1f} GiB usable"
         )
 
     def _keep(self, n: int) -> None:

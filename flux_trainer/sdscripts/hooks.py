@@ -281,7 +281,11 @@ def make_checkpoint_fit(memory: dict[str, Any], device: Any, kernels_installed: 
         blocked = "CUDA graphs record the blocks before the first step is measured"
     cuda = getattr(device, "type", str(device)) == "cuda"
     return CheckpointFit(
-        setting, tier_gib=memory.get("tier_gib"), blocked=blocked, memory=DeviceMemory(device) if cuda else None
+        setting,
+        tier_gib=memory.get("tier_gib"),
+        max_image_tokens=memory.get("max_image_tokens"),
+        blocked=blocked,
+        memory=DeviceMemory(device) if cuda else None,
     )
 
 

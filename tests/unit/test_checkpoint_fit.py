@@ -128,6 +128,51 @@ def test_auto_measures_two_blocks_then_keeps_what_fits():
     assert all(not b._forward_hooks and len(b._forward_pre_hooks) == 1 for b in blocks), "measuring hooks left"
 
 
+class DoubleBlock(Block):
+    def forward(self, img, txt):  # sd-scripts' order: image tokens, then text tokens
+        return img + 1, txt + 1
+
+
+def token_model(doubles: int = 3, singles: int = 4) -> nn.Module:
+    m = nn.Module()
+    m.double_blocks = nn.ModuleList([DoubleBlock(f"d{i}") for i in range(doubles)])
+    m.single_blocks = nn.ModuleList([Block(f"s{i}") for i in range(singles)])
+    return m
+
+
+def token_step(m: nn.Module, mem: FakeMemory, image_tokens: int, text_tokens: int = 512) -> None:
+    """One forward with sd-scripts' shapes: double blocks take (img, txt), single blocks the two concatenated."""
+    for kind, blocks in (("double", m.double_blocks), ("single", m.single_blocks)):
+        for b in blocks:
+            b.register_forward_pre_hook(lambda *_, k=kind: setattr(mem, "now", mem.now + mem.grow[k]), prepend=False)
+    img, txt = torch.zeros(1, image_tokens, 2), torch.zeros(1, text_tokens, 2)
+    for b in m.double_blocks:
+        img, txt = b(img=img, txt=txt)  # by name, as sd-scripts calls them
+    x = torch.cat([txt, img], dim=1)
+    for b in m.single_blocks:
+        x = b(x)
+
+
+@pytest.mark.parametrize(("image_tokens", "kept", "scaled"), [(1024, 4, "scaled 3.00x"), (4096, 7, None)])
+def test_auto_scales_a_small_first_batch_to_the_largest_bucket(image_tokens, kept, scaled):
+    """bucket_no_upscale keeps small images small: measured on a 512² batch (1024 image tokens + 512 text), a
+    1024² one (4096 + 512) holds 3x the activations. Measured on the largest bucket, nothing is scaled."""
+    m = token_model()
+    mem = FakeMemory({"double": GIB, "single": GIB}, peak=24 * GIB, free=24 * GIB, total=48 * GIB, reserved=24 * GIB)
+    mem.now = 20 * GIB  # weights and LoRA, allocated before the first forward
+    fit = CheckpointFit("auto", memory=mem, max_image_tokens=4096)
+    fit.start(m)
+    token_step(m, mem, image_tokens)
+    line = fit.decide()
+    if scaled:
+        # 3 GiB per block; peak 20 + 3 x (24 - 20) = 32 GiB; room 48 x 0.85 - 32 = 8.8 GiB: two more blocks
+        assert fit.per_block == {"double": 3 * GIB, "single": 3 * GIB} and scaled in line, line
+    else:
+        # room 40.8 - 24 = 16.8 GiB at 1 GiB each: every block
+        assert fit.per_block == {"double": GIB, "single": GIB} and "scaled" not in line, line
+    assert fit.kept == kept
+
+
 def test_auto_without_room_sends_the_measured_blocks_back():
     m = model()
     mem = FakeMemory({"double": 3 * GIB, "single": 2 * GIB}, peak=39 * GIB, free=0, total=40 * GIB, reserved=40 * GIB)
@@ -194,6 +239,26 @@ def test_sd_scripts_blocks_give_the_same_gradients_with_some_unchecked(fm):
     assert len(base) == len(mixed) > 0
     for a, b in zip(base, mixed, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sd_scripts_blocks_show_auto_their_tokens(fm):
+    """sd-scripts calls its double blocks by keyword (img=, txt=) and its single blocks with text + image tokens in
+    one tensor: auto reads both, so a 16-token image and 8 text tokens scale to a 40-token largest bucket as
+    (40 + 8) / (16 + 8) = 2."""
+    from tests.conftest import tiny_flux, tiny_flux_forward
+
+    flux = tiny_flux(fm, depth=2, depth_single_blocks=3)
+    flux.train()
+    flux.enable_gradient_checkpointing()
+    mem = FakeMemory({}, peak=0, free=0, total=0, reserved=0)
+    seen = []
+    fit = CheckpointFit("auto", memory=mem, max_image_tokens=40)
+    fit.start(flux)
+    real = fit._token_scale
+    fit._token_scale = lambda kind, args, kwargs: seen.append((kind, real(kind, args, kwargs))) or seen[-1][1]
+    torch.manual_seed(3)
+    tiny_flux_forward(flux, img_tokens=16, txt_tokens=8)
+    assert sorted(seen) == [("double", 2.0), ("single", 2.0)]
 
 
 def skip_order_blocks(flux) -> list[nn.Module]:

@@ -49,15 +49,21 @@ def test_pin_memory_off_reaches_the_runner(workdir):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["memory=vram48"], {"checkpoint_skip": "auto", "tier_gib": 48.0, "blocked": None}),
-        (["memory=vram32", "memory.checkpoint_skip=12"], {"checkpoint_skip": "12", "tier_gib": 32.0, "blocked": None}),
+        (
+            ["memory=vram48"],
+            {"checkpoint_skip": "auto", "tier_gib": 48.0, "blocked": None, "max_image_tokens": 512 * 512 // 256},
+        ),
+        (
+            ["memory=vram32", "memory.checkpoint_skip=12", "dataset.resolution=1024"],
+            {"checkpoint_skip": "12", "tier_gib": 32.0, "blocked": None, "max_image_tokens": 4096},
+        ),
         (
             ["memory=vram24", "hardware.family=ada"],
-            {"checkpoint_skip": "auto", "tier_gib": 24.0, "blocked": None},  # fp8 base: measured faster too
+            {"checkpoint_skip": "auto", "tier_gib": 24.0, "blocked": None, "max_image_tokens": 1024},  # fp8 base too
         ),
         (
             ["memory=vram12", "hardware.family=ada"],
-            {"checkpoint_skip": "0", "tier_gib": 12.0, "blocked": "memory.blocks_to_swap"},
+            {"checkpoint_skip": "0", "tier_gib": 12.0, "blocked": "memory.blocks_to_swap", "max_image_tokens": 1024},
         ),
         (["memory=vram80"], {"checkpoint_skip": "0"}),  # no gradient checkpointing: nothing to skip
     ],
