@@ -135,7 +135,9 @@ class StepMetrics:
             "vram/reserved_gib": torch.cuda.memory_reserved(dev) / GIB,
             "vram/peak_gib": torch.cuda.max_memory_allocated(dev) / GIB,
         }
-        retries = int(torch.cuda.memory_stats(dev).get("num_alloc_retries", 0))  # not reset by reset_peak_...
+        # the allocator's own dict (memory_stats() would flatten and sort all of it every step); not reset by the
+        # reset_peak_memory_stats below, hence the difference
+        retries = int(torch.cuda.memory_stats_as_nested_dict(dev).get("num_alloc_retries", 0))
         tags["vram/alloc_retries"] = float(retries - self._retries)
         self._retries = retries
         torch.cuda.reset_peak_memory_stats(dev)  # so the next peak is the peak since this log

@@ -86,7 +86,7 @@ def test_cuda_path_reads_allocator_resets_peak_and_never_syncs(monkeypatch):
         "memory_reserved": lambda dev: 3 * GIB,
         "max_memory_allocated": lambda dev: 5 * GIB,
         "reset_peak_memory_stats": lambda dev: calls.append(("reset", dev)),
-        "memory_stats": lambda dev: {"num_alloc_retries": retries.pop(0), "num_ooms": 0},
+        "memory_stats_as_nested_dict": lambda dev: {"num_alloc_retries": retries.pop(0), "num_ooms": 0},
     }
     retries = [2, 2, 7]  # cumulative, as PyTorch counts them
     for name, fn in fake.items():
