@@ -173,7 +173,7 @@ class CheckpointFit:
         not known). sd-scripts' blocks take (img, txt, ...) (double) and (x, ...) (single: text + image tokens),
         by position or by name."""
         names = ("img", "txt") if kind == "double" else ("x",)
-        given = [kwargs[n] if n in kwargs else args[i] if i < len(args) else None for i, n in enumerate(names)]
+        given = [kwargs.get(n, args[i] if i < len(args) else None) for i, n in enumerate(names)]
         tokens = [t.shape[1] if getattr(t, "ndim", 0) == 3 else None for t in given]
         if not self.max_image_tokens or None in tokens:
             return 1.0
