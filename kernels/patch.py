@@ -308,8 +308,10 @@ def remove_kernels(model: nn.Module) -> list[str]:
     """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation,
     Linear layers get their forward back (weights that fp8_matmul quantised stay fp8)."""
     from flux_kernels import compile_blocks, fp8, lora_fold, lora_norms
+    from flux_kernels import selective_checkpoint as sac
 
     undone = ["fp8"] if fp8.uninstall(model) else []
+    undone += ["selective_checkpoint"] if sac.remove(model) else []
     undone += ["lora_fold"] if lora_fold.uninstall(model) else []
     undone += compile_blocks.remove(model)
     undone += ["lora_norms"] if lora_norms.uninstall(model) else []

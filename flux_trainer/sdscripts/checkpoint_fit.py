@@ -19,9 +19,16 @@ peak above what was allocated before the first forward, are scaled to the larges
 resolution's area / 16²) before they are compared with the room.
 Blocks leave checkpointing from the end of the model backwards (single blocks, then double blocks): every block
 costs the same time, and which ones keep activations does not change the peak.
+With flux_kernels' `selective_checkpoint` installed, a checkpointed block can also keep just its attention and
+wide-input matmul outputs (~a tenth of its activations for ~a third of its recompute time), so the room goes to
+that first: `auto` measures the first step without it, counts what it keeps per block from the block's hidden
+states (two hidden-sized tensors per token: the attention output and one matmul output), turns it on for as many
+checkpointed blocks as the room holds and, only if it holds all of them, un-checkpoints blocks with what is left
+(each then costs its activations less what it kept selectively).
 
-An explicit count `N` un-checkpoints that many blocks (in the same order) from the first step, without measuring.
-`0` checkpoints every block, as sd-scripts does. `auto` does nothing without CUDA, with block swap or CPU-offloaded
+An explicit count `N` un-checkpoints that many blocks (in the same order) from the first step, without measuring,
+and leaves selective checkpointing, where installed, on for the others. `0` checkpoints every block, as sd-scripts
+does (selectively where that kernel is installed). `auto` does nothing without CUDA, with block swap or CPU-offloaded
 checkpointing (they exist to save memory and move blocks' tensors themselves) and with CUDA graphs (recorded at
 the first steps, they would be recorded before the decision).
 """
@@ -133,6 +140,9 @@ class CheckpointFit:
     _static: int = 0  # allocated before the first forward (weights, LoRA): what does not grow with the tokens
     _text_tokens: int | None = None  # the measured forward's (from the double block, which runs first)
     _peak_scale: float | None = None  # the smallest token scale seen: the step's largest batch set its peak
+    selective: int = 0  # checkpointed blocks keeping their attention and wide-input matmul outputs now
+    per_block_selective: dict[str, int] = field(default_factory=dict)  # what that keeps per block, by kind
+    _selective_installed: bool = False
 
     def start(self, flux: Any) -> str | None:
         """At the first micro-step: apply a count, or un-checkpoint the two blocks `auto` measures. Returns a log
@@ -141,6 +151,7 @@ class CheckpointFit:
         self.total = len(self._order)
         if not self._order:
             return None
+        self._selective_installed = any(selective_on(b) for _, b in self._order)
         if self.setting != AUTO:
             self._keep(int(self.setting))
             return self._say(f"memory.checkpoint_skip={self.setting}")
@@ -148,6 +159,7 @@ class CheckpointFit:
         if why:
             return f"gradient checkpointing on all {self.total} blocks (memory.checkpoint_skip=auto: {why})"
         self._static = self.memory.allocated()
+        self._select(0)  # the first step measures plain checkpointing; the room decides about selective after it
         measured = self._order[:2]
         for kind, block in measured:
             self._handles.append(block.register_forward_pre_hook(self._before))
@@ -162,18 +174,19 @@ class CheckpointFit:
     def _after(self, kind: str):
         def hook(module: Any, args: Any, kwargs: dict, output: Any) -> None:
             grown = self.memory.allocated() - getattr(module, "_flux_fit_allocated", 0)
-            scale = self._token_scale(kind, args, kwargs)
+            given = hidden_states(kind, args, kwargs)
+            scale = self._token_scale(kind, given)
             self._peak_scale = scale if self._peak_scale is None else min(self._peak_scale, scale)
             self.per_block[kind] = max(self.per_block.get(kind, 0), int(grown * scale))
+            if self._selective_installed:
+                kept = SELECTIVE_PER_TOKEN * sum(t.numel() * t.element_size() for t in given if t is not None)
+                self.per_block_selective[kind] = max(self.per_block_selective.get(kind, 0), int(kept * scale))
 
         return hook
 
-    def _token_scale(self, kind: str, args: tuple, kwargs: dict) -> float:
+    def _token_scale(self, kind: str, given: list) -> float:
         """How much larger the largest bucket's activations are than this forward's (>= 1; 1 where the shapes are
-        not known). sd-scripts' blocks take (img, txt, ...) (double) and (x, ...) (single: text + image tokens),
-        by position or by name."""
-        names = ("img", "txt") if kind == "double" else ("x",)
-        given = [kwargs.get(n, args[i] if i < len(args) else None) for i, n in enumerate(names)]
+        not known), from the block's hidden states (`hidden_states`)."""
         tokens = [t.shape[1] if getattr(t, "ndim", 0) == 3 else None for t in given]
         if not self.max_image_tokens or None in tokens:
             return 1.0
@@ -215,10 +228,24 @@ class CheckpointFit:
         free, total = self.memory.free_total()
         usable = usable_bytes(free, total, self.memory.reserved(), self.memory.fraction(), self.tier_gib)
         room = int(usable * (1 - MARGIN)) - peak
-        sizes = [self.per_block.get(kind, 0) for kind, _ in self._order[self.kept :]]
-        more = blocks_that_fit(room, sizes) if self.per_block else 0
+        rest = self._order[self.kept :]
+        sizes = [self.per_block.get(kind, 0) for kind, _ in rest]
+        selective = [self.per_block_selective.get(kind, 0) for kind, _ in rest] if self.per_block_selective else []
+        n_selective = blocks_that_fit(room, selective) if selective and room > 0 else 0
+        more = 0
+        if room < 0 or (self.per_block and n_selective == len(selective)):
+            # no room: measured blocks go back to checkpointing. Room for every checkpointed block's selective
+            # outputs: what is left un-checkpoints whole blocks, each for its activations less what it kept
+            left = room - sum(selective) if room > 0 else room
+            less = [a - b if a > b else 0 for a, b in zip(sizes, selective or [0] * len(sizes), strict=True)]
+            more = blocks_that_fit(left, less)
         self._keep(self.kept + more)
+        self._select(n_selective - max(0, more))
         measured = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(self.per_block.items()))
+        if self.per_block_selective:
+            measured += "; selectively " + ", ".join(
+                f"{k} {v / GIB:.3f}" for k, v in sorted(self.per_block_selective.items())
+            )
         larger = f" (scaled {scale:.2f}x to the largest bucket)" if scale > 1 else ""
         return self._say(
             f"memory.checkpoint_skip=auto: activations per block {measured} GiB; first step's peak "
@@ -229,9 +256,41 @@ class CheckpointFit:
         self.kept = max(0, min(n, self.total))
         for i, (_, block) in enumerate(self._order):
             block.gradient_checkpointing = i >= self.kept
+        self.selective = sum(selective_on(b) for _, b in self._order[self.kept :])
+
+    def _select(self, n: int) -> None:
+        """Selective checkpointing on for the first `n` checkpointed blocks (in order), off for the rest."""
+        if not self._selective_installed:
+            return
+        from flux_kernels.selective_checkpoint import ATTR  # flux_trainer may import flux_kernels, not the reverse
+
+        checkpointed = self._order[self.kept :]
+        self.selective = max(0, min(n, len(checkpointed)))
+        for i, (_, block) in enumerate(checkpointed):
+            setattr(block, ATTR, i < self.selective)
 
     def _say(self, why: str) -> str:
+        selective = f", {self.selective} of them selectively" if self._selective_installed else ""
         return (
-            f"gradient checkpointing on {self.total - self.kept} of {self.total} blocks, {self.kept} keep their "
-            f"activations ({why})"
+            f"gradient checkpointing on {self.total - self.kept} of {self.total} blocks{selective}, {self.kept} keep "
+            f"their activations ({why})"
         )
+
+
+# what selective checkpointing keeps per hidden-state element: the attention output and one matmul output (linear2 /
+# the MLP down-projections), both as large as the block's hidden states (the LoRA down-projections' rank-sized
+# outputs come on top: ~2% at rank 16)
+SELECTIVE_PER_TOKEN = 2
+
+
+def hidden_states(kind: str, args: tuple, kwargs: dict) -> list:
+    """A block call's hidden states: sd-scripts' double blocks take (img, txt, ...), single blocks (x, ...) with the
+    text and image tokens in one tensor, by position or by name (None where absent)."""
+    names = ("img", "txt") if kind == "double" else ("x",)
+    return [kwargs.get(n, args[i] if i < len(args) else None) for i, n in enumerate(names)]
+
+
+def selective_on(block: Any) -> bool:
+    from flux_kernels.selective_checkpoint import ATTR
+
+    return bool(getattr(block, ATTR, False))

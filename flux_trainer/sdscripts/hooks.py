@@ -156,6 +156,8 @@ class RunHooks:
         self._ranks_peak = {}
         if self.fit is not None and self.fit.total:
             tags["memory/checkpointed_blocks"] = float(self.fit.total - self.fit.kept)
+            if "selective_checkpoint" in self.kernels_installed:
+                tags["memory/selective_blocks"] = float(self.fit.selective)
         if "loss/current" in logs and (msg := self.loss_guard.check(float(logs["loss/current"]), global_step)):
             log.error(msg)
             raise NonFiniteLoss(msg + f"; the last saved state in {self.run_dir} is intact (resume=auto)")

@@ -173,6 +173,56 @@ def test_auto_scales_a_small_first_batch_to_the_largest_bucket(image_tokens, kep
     assert fit.kept == kept
 
 
+def selective_model() -> nn.Module:
+    """token_model with flux_kernels' selective_checkpoint switched on in every block, as its install leaves them."""
+    from flux_kernels.selective_checkpoint import ATTR
+
+    m = token_model()
+    for b in [*m.double_blocks, *m.single_blocks]:
+        setattr(b, ATTR, True)
+    return m
+
+
+def selective(m: nn.Module) -> list[str]:
+    from flux_kernels.selective_checkpoint import ATTR
+
+    return [b.name for b in [*m.double_blocks, *m.single_blocks] if b.gradient_checkpointing and getattr(b, ATTR)]
+
+
+# what selective checkpointing keeps per block in token_step (fp32 hidden states of width 2): the attention output and
+# one matmul output per token, 4096 image + 512 text tokens
+SEL = 2 * (4096 + 512) * 2 * 4
+
+
+@pytest.mark.parametrize(
+    ("room", "kept", "chosen"),
+    [
+        (3 * SEL + SEL // 2, 2, ["s0", "s1", "s2"]),  # room for 3 of the 5 checkpointed blocks' selective outputs
+        (5 * SEL + 2 * 9 * SEL, 4, ["d0", "d1", "s0"]),  # all 5, then 2 whole blocks at 10 - 1 SEL each
+        (-10 * SEL - 1, 0, []),  # no room: the measured blocks go back (both: 1 byte over one), none selective
+    ],
+)
+def test_auto_spends_the_room_on_selective_checkpointing_first(room, kept, chosen):
+    m = selective_model()
+    total = 2**30
+    mem = FakeMemory({"double": 10 * SEL, "single": 10 * SEL}, peak=0, free=0, total=total, reserved=total)
+    mem.peak = int(total * (1 - MARGIN)) - room
+    fit = CheckpointFit("auto", memory=mem)
+    fit.start(m)
+    assert selective(m) == []  # the first step measures plain checkpointing
+    token_step(m, mem, 4096)
+    line = fit.decide()
+    assert fit.per_block_selective == {"double": SEL, "single": SEL}
+    assert fit.kept == kept and fit.selective == len(chosen) and selective(m) == chosen, line
+    assert f"{7 - kept} of 7 blocks, {len(chosen)} of them selectively" in line
+
+
+def test_a_count_leaves_selective_checkpointing_on_the_checkpointed_blocks():
+    m = selective_model()
+    assert "on 5 of 7 blocks, 5 of them selectively, 2 keep" in CheckpointFit(2).start(m)
+    assert selective(m) == ["d0", "d1", "s0", "s1", "s2"]
+
+
 def test_auto_without_room_sends_the_measured_blocks_back():
     m = model()
     mem = FakeMemory({"double": 3 * GIB, "single": 2 * GIB}, peak=39 * GIB, free=0, total=40 * GIB, reserved=40 * GIB)
@@ -255,7 +305,7 @@ def test_sd_scripts_blocks_show_auto_their_tokens(fm):
     fit = CheckpointFit("auto", memory=mem, max_image_tokens=40)
     fit.start(flux)
     real = fit._token_scale
-    fit._token_scale = lambda kind, args, kwargs: seen.append((kind, real(kind, args, kwargs))) or seen[-1][1]
+    fit._token_scale = lambda kind, given: seen.append((kind, real(kind, given))) or seen[-1][1]
     torch.manual_seed(3)
     tiny_flux_forward(flux, img_tokens=16, txt_tokens=8)
     assert sorted(seen) == [("double", 2.0), ("single", 2.0)]
@@ -292,6 +342,24 @@ def test_run_hooks_measure_over_the_first_optimizer_step_and_decide_after_it(tmp
     assert tags["memory/checkpointed_blocks"] == 5.0
     h.step_start()
     assert h.fit.kept == 6 and h.step_end(None, {}, 2)["memory/checkpointed_blocks"] == 1.0
+
+
+def test_run_hooks_log_how_many_blocks_checkpoint_selectively(tmp_path):
+    from flux_trainer.metrics.health import LossGuard, SlowdownDetector
+    from flux_trainer.metrics.step import StepMetrics
+    from flux_trainer.sdscripts.hooks import RunHooks
+    from flux_trainer.sdscripts.runner import RunnerSpec
+
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    h._unet, h.fit, h.kernels_installed = selective_model(), CheckpointFit(2), ["selective_checkpoint"]
+    h.metrics = StepMetrics("cpu", flops_per_step=1e12, images_per_step=1, nvml=None)
+    h.metrics.start()
+    h.loss_guard, h.slowdown = LossGuard(patience=3), SlowdownDetector(nvml=None)
+    h.step_start()
+    tags = h.step_end(None, {}, 1)
+    assert tags["memory/checkpointed_blocks"] == 5.0 and tags["memory/selective_blocks"] == 5.0
+    h.kernels_installed = []
+    assert "memory/selective_blocks" not in h.step_end(None, {}, 2)
 
 
 def test_make_checkpoint_fit_from_the_runner_spec():

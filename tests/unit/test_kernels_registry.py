@@ -138,15 +138,18 @@ def test_off_installs_nothing_and_real_registry_explicit_compile_on_cpu_raises()
 
 def test_every_registry_entry_is_frozen_and_complete():
     assert list(REGISTRY) == ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "fp8_matmul",
-                              "lora_fold", "lora_grad_norms", "prodigy_step", "compile_blocks"]  # fmt: skip
+                              "lora_fold", "lora_grad_norms", "prodigy_step", "selective_checkpoint",
+                              "compile_blocks"]  # fmt: skip
     assert [n for n, s in REGISTRY.items() if s.target != "model"] == ["prodigy_step"]  # installs into the optimizer
     # auto = the attention choice + fp8 matmuls (on an fp8 base only) + the LoRA folded into the wide layers' GEMM +
-    # the LoRA norms (where a LoRA is applied) +
-    # Prodigy's step (when the optimizer is Prodigy) + regional compile; the Triton ops are opt-in until they beat
+    # the LoRA norms (where a LoRA is applied) + Prodigy's step (when the optimizer is Prodigy) + selective
+    # checkpointing (where blocks are checkpointed) + regional compile; the Triton ops are opt-in until they beat
     # compile_blocks
     assert [n for n, s in REGISTRY.items() if s.in_auto] == ["attention", "fp8_matmul", "lora_fold", "lora_grad_norms",
-                                                              "prodigy_step", "compile_blocks"]  # fmt: skip
-    assert [n for n, s in REGISTRY.items() if s.auto_if is not None] == ["fp8_matmul", "lora_fold", "lora_grad_norms"]
+                                                              "prodigy_step", "selective_checkpoint",
+                                                              "compile_blocks"]  # fmt: skip
+    assert [n for n, s in REGISTRY.items() if s.auto_if is not None] == ["fp8_matmul", "lora_fold", "lora_grad_norms",
+                                                                         "selective_checkpoint"]  # fmt: skip
     for spec in REGISTRY.values():
         with pytest.raises(dataclasses.FrozenInstanceError):
             spec.name = "x"
@@ -191,7 +194,7 @@ x, s = torch.randn(2, 5, 8), torch.randn(2, 1, 8)
 assert torch.equal(fast.modulate(x, s, s), reference.modulate(x, s, s))
 sel = registry.select("auto", "cpu")
 assert sel.installed == ("lora_grad_norms",), sel  # plain PyTorch: the only one auto takes on a CPU
-assert set(sel.skipped) == {"attention", "fp8_matmul", "lora_fold", "compile_blocks"}, sel
+assert set(sel.skipped) == {"attention", "fp8_matmul", "lora_fold", "selective_checkpoint", "compile_blocks"}, sel
 for name in ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate"):
     try:
         registry.select([name], "cpu")
@@ -213,7 +216,7 @@ def test_real_kernels_auto_on_cpu_via_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     sel = select("auto", "cpu")  # auto's kernels need CUDA but the LoRA norms; the Triton ones are not in auto
     assert sel.installed == ("lora_grad_norms",)
-    assert set(sel.skipped) == {"attention", "fp8_matmul", "lora_fold", "compile_blocks"}
+    assert set(sel.skipped) == {"attention", "fp8_matmul", "lora_fold", "selective_checkpoint", "compile_blocks"}
     triton_kernels = ["qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
     sel = select(triton_kernels, "cpu")  # named: each probed against its reference through the interpreter
     assert sel.installed == tuple(triton_kernels) and sel.explicit

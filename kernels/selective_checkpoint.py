@@ -1,0 +1,168 @@
+"""Selective activation checkpointing of the FLUX blocks (`selective_checkpoint`): a checkpointed block keeps the
+outputs of the ops that cost the most time per byte kept, and recomputes the rest in backward.
+
+sd-scripts' gradient checkpointing keeps only each block's inputs and runs the whole forward again in backward:
+~a third more work per step. Un-checkpointing whole blocks (memory.checkpoint_skip) removes that for a block at the
+price of all its activations (~0.5-0.6 GiB per FLUX block at 1024²). Most of a block's recompute time is in a few
+ops whose outputs are small:
+
+  * attention: O(L²) work for an [L, hidden] output (~0.4 ms of cuDNN for 28 MiB per block at 1024² on an H200);
+    with its output (and log-sum-exp) kept, the backward recomputes q, k and v but not the attention itself;
+  * matmuls whose input is much wider than their output (K >= RATIO · N): the single blocks' linear2
+    (15360 -> 3072) and the double blocks' MLP down-projection (12288 -> 3072), and every LoRA down-projection
+    (K -> rank: a few KiB that spare a pass over the input).
+
+Kept per block at 1024²: ~57 MiB (attention + one wide-input matmul output), about a tenth of what un-checkpointing
+the block keeps, for about a third of its recompute time. The projections that widen (qkv, linear1, MLP up) and all
+elementwise work are still recomputed.
+
+How: sd-scripts' blocks call `checkpoint(self._forward, ..., use_reentrant=False)`, the name imported into their
+module from torch.utils.checkpoint. `install` points that module's name at `checkpoint` below, which adds a
+selective-checkpoint `context_fn` (torch.utils.checkpoint.create_selective_checkpoint_contexts) for the blocks of
+the installed model and leaves every other call as it was. torch.compile (compile_blocks) traces the policy into
+the compiled graph: its partitioner saves what the policy marks MUST_SAVE. Nothing here imports sd-scripts.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tuc
+from torch import Tensor, nn
+
+ATTR = "_flux_selective_checkpoint"  # on a block: keep its policy's outputs when checkpointed
+PATCHED = "_flux_selective_checkpoint_original"  # on a patched module: the `checkpoint` it had
+RATIO = 4  # a matmul's output is kept when its contracted dimension is at least RATIO x its output width
+
+# SDPA's backend ops, as a checkpointed region dispatches them (torch.nn.functional.scaled_dot_product_attention
+# picks one below autograd)
+ATTENTION_OPS = (
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def _packets(names: tuple[str, ...]) -> frozenset:
+    return frozenset(p for p in (getattr(torch.ops.aten, n, None) for n in names) if p is not None)
+
+
+_ATTENTION = _packets(ATTENTION_OPS)
+_MM = _packets(("mm",))
+_ADDMM = _packets(("addmm",))
+
+
+def _fp8_ops() -> frozenset:
+    """flux_kernels' fp8 matmuls (custom ops, registered when flux_kernels.fp8 is imported): x2 first, W8 [N, K]
+    second to last."""
+    lib = getattr(torch.ops, "flux_kernels", None)
+    return frozenset(getattr(lib, n) for n in ("fp8_mm", "fp8_mm_quantized") if lib is not None and hasattr(lib, n))
+
+
+def matmul_shape(op: Any, args: tuple) -> tuple[int, int] | None:
+    """(K, N) of a matmul op (contracted dimension, output width), None for any other op."""
+    packet = getattr(op, "overloadpacket", op)
+    if packet in _MM and len(args) >= 2:
+        return args[0].shape[-1], args[1].shape[-1]
+    if packet in _ADDMM and len(args) >= 3:
+        return args[1].shape[-1], args[2].shape[-1]
+    if packet in _fp8_ops() and len(args) >= 3:
+        return args[0].shape[-1], args[-2].shape[0]
+    return None
+
+
+def keeps(op: Any, args: tuple) -> bool:
+    """Whether a checkpointed block keeps this op's output for backward instead of recomputing it."""
+    if getattr(op, "overloadpacket", op) in _ATTENTION:
+        return True
+    shape = matmul_shape(op, args)
+    return shape is not None and shape[0] >= RATIO * shape[1]
+
+
+def policy(ctx, op, *args, **kwargs) -> tuc.CheckpointPolicy:
+    return tuc.CheckpointPolicy.MUST_SAVE if keeps(op, args) else tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def contexts():
+    """The context_fn of a selectively checkpointed block (a plain function: torch.compile traces it as one)."""
+    return tuc.create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint(function, *args, **kwargs):
+    """torch.utils.checkpoint.checkpoint, with `contexts` for the installed model's blocks (non-reentrant calls
+    without a context_fn of their own); any other call is passed through unchanged."""
+    # not getattr(function, "__self__", None): torch.compile (2.13) reads that as None for a bound method
+    block = function.__self__ if isinstance(function, types.MethodType) else None
+    plain = kwargs.get("use_reentrant", True) is not False or kwargs.get("context_fn") is not None
+    if not plain and getattr(block, ATTR, False):
+        kwargs["context_fn"] = contexts
+    return tuc.checkpoint(function, *args, **kwargs)
+
+
+def _module_of(block: nn.Module):
+    return sys.modules.get(type(block).__module__)
+
+
+def install(model: nn.Module, **_) -> str:
+    """Route the blocks' `checkpoint` calls through `checkpoint` above. Raises RuntimeError where the blocks'
+    module does not call torch.utils.checkpoint.checkpoint by that name (nothing to hook)."""
+    from flux_kernels.patch import KernelError, find_blocks
+
+    double, single = find_blocks(model)
+    blocks = double + single
+    modules = {id(m): m for m in map(_module_of, blocks) if m is not None}.values()
+    hookable = [m for m in modules if getattr(m, "checkpoint", None) in (tuc.checkpoint, checkpoint)]
+    if not blocks or len(hookable) != len(modules):
+        found = ", ".join(sorted(m.__name__ for m in modules)) or "no FLUX blocks"
+        raise KernelError(
+            f"selective_checkpoint: the blocks' module ({found}) does not call torch.utils.checkpoint.checkpoint as "
+            "`checkpoint`; nothing to hook"
+        )
+    for m in hookable:
+        if m.checkpoint is not checkpoint:
+            setattr(m, PATCHED, m.checkpoint)
+            m.checkpoint = checkpoint
+    for b in blocks:
+        setattr(b, ATTR, True)
+    return (
+        f"selective_checkpoint: {len(double)} double + {len(single)} single blocks keep their attention and "
+        f"wide-input matmul outputs when checkpointed (K >= {RATIO}x N)"
+    )
+
+
+def remove(model: nn.Module) -> bool:
+    """Undo `install`: this model's blocks lose their switch and their module gets its `checkpoint` back (a block
+    of another model with the switch then checkpoints as sd-scripts does)."""
+    blocks = [b for b in model.modules() if ATTR in b.__dict__]
+    for b in blocks:
+        delattr(b, ATTR)
+    for m in {id(m): m for m in map(_module_of, blocks) if m is not None}.values():
+        if PATCHED in m.__dict__:
+            m.checkpoint = m.__dict__.pop(PATCHED)
+    return bool(blocks)
+
+
+# ---- the registry probe's pair: one region checkpointed both ways -------------------------------------------------
+
+
+def _region(x: Tensor, w_qkv: Tensor, w_up: Tensor, w_down: Tensor, heads: int) -> Tensor:
+    """x + attention(x) + MLP(x), a FLUX block's kind of work (what the probe checkpoints)."""
+    b, n, c = x.shape
+    q, k, v = torch.nn.functional.linear(x, w_qkv).view(b, n, 3, heads, c // heads).permute(2, 0, 3, 1, 4)
+    attn = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+    mlp = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, w_up)), w_down)
+    return x + attn + mlp
+
+
+def reference_region(x: Tensor, w_qkv: Tensor, w_up: Tensor, w_down: Tensor, heads: int) -> Tensor:
+    """The region under sd-scripts' checkpointing: everything recomputed in backward."""
+    return tuc.checkpoint(_region, x, w_qkv, w_up, w_down, heads, use_reentrant=False)
+
+
+def selective_region(x: Tensor, w_qkv: Tensor, w_up: Tensor, w_down: Tensor, heads: int) -> Tensor:
+    """The same region with the policy: the attention and the wide-input matmul kept."""
+    return tuc.checkpoint(_region, x, w_qkv, w_up, w_down, heads, use_reentrant=False, context_fn=contexts)
