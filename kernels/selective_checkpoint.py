@@ -25,6 +25,7 @@ the compiled graph: its partitioner saves what the policy marks MUST_SAVE. Nothi
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 from typing import Any
@@ -128,10 +129,27 @@ def install(model: nn.Module, **_) -> str:
             m.checkpoint = checkpoint
     for b in blocks:
         setattr(b, ATTR, True)
+    _quiet_torch_warning()
     return (
         f"selective_checkpoint: {len(double)} double + {len(single)} single blocks keep their attention and "
         f"wide-input matmul outputs when checkpointed (K >= {RATIO}x N)"
     )
+
+
+class _InPlaceWarning(logging.Filter):
+    """torch.compile warns once that a checkpointed region with a context_fn must not contain in-place ops (their
+    output, if kept, would change under the policy). sd-scripts' blocks give the same outputs and gradients with the
+    policy as without (tests/unit/test_kernels_selective_checkpoint.py, tests/gpu), so the warning says nothing here
+    and is dropped from the run log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+def _quiet_torch_warning() -> None:
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if not any(isinstance(f, _InPlaceWarning) for f in logger.filters):
+        logger.addFilter(_InPlaceWarning())
 
 
 def remove(model: nn.Module) -> bool:

@@ -153,3 +153,31 @@ def test_calls_it_does_not_own_pass_through_unchanged(monkeypatch):
     sac.checkpoint(lambda y: y, x, use_reentrant=False)  # not a block's method
     assert seen[0]["context_fn"] is sac.contexts
     assert all("context_fn" not in k for k in seen[1:]) and len(seen) == 4
+
+
+def test_auto_takes_it_only_where_blocks_are_checkpointed_on_the_card():
+    model = torch.nn.Module()
+    assert not registry.checkpoints_blocks(model)[0]  # no checkpointing: nothing recomputed
+    model.gradient_checkpointing = True
+    assert registry.checkpoints_blocks(model)[0]
+    model.blocks_to_swap = 8
+    assert "block swap" in registry.checkpoints_blocks(model)[1]
+    model.blocks_to_swap, model.cpu_offload_checkpointing = 0, True
+    assert "offloaded" in registry.checkpoints_blocks(model)[1]
+
+
+def test_torchs_in_place_warning_is_dropped_and_nothing_else():
+    import logging
+
+    sac._quiet_torch_warning()
+    logger = logging.getLogger("torch._higher_order_ops.wrap")  # torch's loggers do not propagate to the root
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        logger.warning("Detected that context_fn is passed to torch.utils.checkpoint under torch.compile.")
+        logger.warning("something else")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["something else"]
