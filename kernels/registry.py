@@ -437,7 +437,7 @@ REGISTRY: dict[str, KernelSpec] = {
             "selective_checkpoint",
             "checkpointed blocks keep their attention output and the outputs of matmuls whose input is >= "
             f"{sac.RATIO}x wider than their output (linear2, MLP down, LoRA down) instead of recomputing them in "
-            "backward: ~57 MiB per block at 1024², about a tenth of an un-checkpointed block",
+            "backward: ~54 MiB per block at 1024², about a tenth of an un-checkpointed block",
             cuda_applies,
             sac.install,
             reference=sac.reference_region,

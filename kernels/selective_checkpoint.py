@@ -12,7 +12,7 @@ ops whose outputs are small:
     (15360 -> 3072) and the double blocks' MLP down-projection (12288 -> 3072), and every LoRA down-projection
     (K -> rank: a few KiB that spare a pass over the input).
 
-Kept per block at 1024²: ~57 MiB (attention + one wide-input matmul output), about a tenth of what un-checkpointing
+Kept per block at 1024²: ~54 MiB (attention + one wide-input matmul output), about a tenth of what un-checkpointing
 the block keeps, for about a third of its recompute time. The projections that widen (qkv, linear1, MLP up) and all
 elementwise work are still recomputed.
 
@@ -98,8 +98,8 @@ def checkpoint(function, *args, **kwargs):
     without a context_fn of their own); any other call is passed through unchanged."""
     # not getattr(function, "__self__", None): torch.compile (2.13) reads that as None for a bound method
     block = function.__self__ if isinstance(function, types.MethodType) else None
-    plain = kwargs.get("use_reentrant", True) is not False or kwargs.get("context_fn") is not None
-    if not plain and getattr(block, ATTR, False):
+    theirs = kwargs.get("use_reentrant", True) is not False or kwargs.get("context_fn") is not None
+    if not theirs and getattr(block, ATTR, False):
         kwargs["context_fn"] = contexts
     return tuc.checkpoint(function, *args, **kwargs)
 
@@ -109,8 +109,8 @@ def _module_of(block: nn.Module):
 
 
 def install(model: nn.Module, **_) -> str:
-    """Route the blocks' `checkpoint` calls through `checkpoint` above. Raises RuntimeError where the blocks'
-    module does not call torch.utils.checkpoint.checkpoint by that name (nothing to hook)."""
+    """Route the blocks' `checkpoint` calls through `checkpoint` above. Raises KernelError where the blocks' module
+    does not call torch.utils.checkpoint.checkpoint by that name (nothing to hook)."""
     from flux_kernels.patch import KernelError, find_blocks
 
     double, single = find_blocks(model)

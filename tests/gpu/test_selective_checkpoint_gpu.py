@@ -14,7 +14,7 @@ from flux_kernels import patch
 from flux_kernels import selective_checkpoint as sac
 from flux_kernels.reference import saved_bytes
 from flux_kernels.registry import FP8_TOLERANCE, unchecked
-from flux_trainer.sdscripts.checkpoint_fit import SELECTIVE_PER_TOKEN
+from flux_trainer.sdscripts.checkpoint_fit import SELECTIVE_COPIES
 from tests.gpu.test_kernels_gpu import block_inputs, flux_blocks, outs_and_grads, rel
 
 pytestmark = [
@@ -46,7 +46,7 @@ def test_full_size_blocks_keep_the_planned_outputs_with_the_same_gradients(fm, f
             got, kept = outs_and_grads(block, args), saved_bytes(block, args)
             errors = [rel(g, w) for g, w in zip(got, want[kind][0], strict=True)]
             hidden = [a for a in args[:2] if a.dim() == 3 and a.shape[-1] == 3072]
-            planned = SELECTIVE_PER_TOKEN * sum(h.numel() * h.element_size() for h in hidden)
+            planned = SELECTIVE_COPIES * sum(h.numel() * h.element_size() for h in hidden)
             more = kept - want[kind][1]
             print(f"\n  {kind} ({'fp8' if fp8 else 'bf16'}): kept {more / 2**20:.1f} MiB more, planned "
                   f"{planned / 2**20:.1f} MiB, max rel. errors {max(errors):.2e}")  # fmt: skip

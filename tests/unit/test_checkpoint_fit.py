@@ -217,10 +217,13 @@ def test_auto_spends_the_room_on_selective_checkpointing_first(room, kept, chose
     assert f"{7 - kept} of 7 blocks, {len(chosen)} of them selectively" in line
 
 
-def test_a_count_leaves_selective_checkpointing_on_the_checkpointed_blocks():
+def test_a_count_or_a_blocked_auto_leaves_selective_checkpointing_on_the_checkpointed_blocks():
     m = selective_model()
     assert "on 5 of 7 blocks, 5 of them selectively, 2 keep" in CheckpointFit(2).start(m)
     assert selective(m) == ["d0", "d1", "s0", "s1", "s2"]
+    fit = CheckpointFit("auto", blocked="CUDA graphs record the blocks", memory=object())
+    fit.start(m := selective_model())
+    assert fit.selective == 7 and len(selective(m)) == 7
 
 
 def test_auto_without_room_sends_the_measured_blocks_back():
