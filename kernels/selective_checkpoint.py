@@ -34,6 +34,8 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import Tensor, nn
 
+from flux_kernels import fp8  # noqa: F401 - registers the fp8 custom ops named in _FP8
+
 ATTR = "_flux_selective_checkpoint"  # on a block: keep its policy's outputs when checkpointed
 PATCHED = "_flux_selective_checkpoint_original"  # on a patched module: the `checkpoint` it had
 RATIO = 4  # a matmul's output is kept when its contracted dimension is at least RATIO x its output width
@@ -57,11 +59,8 @@ _MM = _packets(("mm",))
 _ADDMM = _packets(("addmm",))
 
 
-def _fp8_ops() -> frozenset:
-    """flux_kernels' fp8 matmuls (custom ops, registered when flux_kernels.fp8 is imported): x2 first, W8 [N, K]
-    second to last."""
-    lib = getattr(torch.ops, "flux_kernels", None)
-    return frozenset(getattr(lib, n) for n in ("fp8_mm", "fp8_mm_quantized") if lib is not None and hasattr(lib, n))
+# flux_kernels' fp8 matmuls (custom ops, registered by importing flux_kernels.fp8): x2 first, W8 [N, K] second to last
+_FP8 = frozenset({torch.ops.flux_kernels.fp8_mm, torch.ops.flux_kernels.fp8_mm_quantized})
 
 
 def matmul_shape(op: Any, args: tuple) -> tuple[int, int] | None:
@@ -71,7 +70,7 @@ def matmul_shape(op: Any, args: tuple) -> tuple[int, int] | None:
         return args[0].shape[-1], args[1].shape[-1]
     if packet in _ADDMM and len(args) >= 3:
         return args[1].shape[-1], args[2].shape[-1]
-    if packet in _fp8_ops() and len(args) >= 3:
+    if packet in _FP8 and len(args) >= 3:
         return args[0].shape[-1], args[-2].shape[0]
     return None
 
