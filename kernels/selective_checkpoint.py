@@ -103,8 +103,10 @@ def checkpoint(function, *args, **kwargs):
     return tuc.checkpoint(function, *args, **kwargs)
 
 
-def _module_of(block: nn.Module):
-    return sys.modules.get(type(block).__module__)
+def _modules_of(blocks: list[nn.Module]) -> list:
+    """The modules the blocks' classes are defined in (where their `checkpoint` name lives), each once."""
+    found = (sys.modules.get(type(b).__module__) for b in blocks)
+    return list({id(m): m for m in found if m is not None}.values())
 
 
 def install(model: nn.Module, **_) -> str:
@@ -114,7 +116,7 @@ def install(model: nn.Module, **_) -> str:
 
     double, single = find_blocks(model)
     blocks = double + single
-    modules = {id(m): m for m in map(_module_of, blocks) if m is not None}.values()
+    modules = _modules_of(blocks)
     hookable = [m for m in modules if getattr(m, "checkpoint", None) in (tuc.checkpoint, checkpoint)]
     if not blocks or len(hookable) != len(modules):
         found = ", ".join(sorted(m.__name__ for m in modules)) or "no FLUX blocks"
@@ -157,7 +159,7 @@ def remove(model: nn.Module) -> bool:
     blocks = [b for b in model.modules() if ATTR in b.__dict__]
     for b in blocks:
         delattr(b, ATTR)
-    for m in {id(m): m for m in map(_module_of, blocks) if m is not None}.values():
+    for m in _modules_of(blocks):
         if PATCHED in m.__dict__:
             m.checkpoint = m.__dict__.pop(PATCHED)
     return bool(blocks)

@@ -140,7 +140,6 @@ class CheckpointFit:
     _static: int = 0  # allocated before the first forward (weights, LoRA): what does not grow with the tokens
     _text_tokens: int | None = None  # the measured forward's (from the double block, which runs first)
     _peak_scale: float | None = None  # the smallest token scale seen: the step's largest batch set its peak
-    selective: int = 0  # checkpointed blocks keeping their attention and wide-input matmul outputs now
     per_block_selective: dict[str, int] = field(default_factory=dict)  # what that keeps per block, by kind
     _selective_installed: bool = False
 
@@ -152,7 +151,6 @@ class CheckpointFit:
         if not self._order:
             return None
         self._selective_installed = any(selective_on(b) for _, b in self._order)
-        self.selective = sum(selective_on(b) for _, b in self._order)  # as installed, until decided otherwise
         if self.setting != AUTO:
             self._keep(int(self.setting))
             return self._say(f"memory.checkpoint_skip={self.setting}")
@@ -257,7 +255,6 @@ class CheckpointFit:
         self.kept = max(0, min(n, self.total))
         for i, (_, block) in enumerate(self._order):
             block.gradient_checkpointing = i >= self.kept
-        self.selective = sum(selective_on(b) for _, b in self._order[self.kept :])
 
     def _select(self, n: int) -> None:
         """Selective checkpointing on for the first `n` checkpointed blocks (in order), off for the rest."""
@@ -265,10 +262,13 @@ class CheckpointFit:
             return
         from flux_kernels.selective_checkpoint import ATTR  # here, not at the top: it imports torch
 
-        checkpointed = self._order[self.kept :]
-        self.selective = max(0, min(n, len(checkpointed)))
-        for i, (_, block) in enumerate(checkpointed):
-            setattr(block, ATTR, i < self.selective)
+        for i, (_, block) in enumerate(self._order[self.kept :]):
+            setattr(block, ATTR, i < n)
+
+    @property
+    def selective(self) -> int:
+        """Checkpointed blocks keeping their attention and wide-input matmul outputs now."""
+        return sum(selective_on(b) for _, b in self._order[self.kept :])
 
     def _say(self, why: str) -> str:
         selective = f", {self.selective} of them selectively" if self._selective_installed else ""
