@@ -76,6 +76,40 @@ class BackendResult:
     chosen: bool = False
 
 
+@torch.library.custom_op("flux_kernels::heads_to_tokens", mutates_args=())
+def heads_to_tokens(x: Tensor) -> Tensor:
+    """An attention output [B, H, L, D] as tokens [B, L, H*D] (sd-scripts' "B H L D -> B L (H D)", the same copy),
+    whose backward hands the attention a contiguous [B, H, L, D] gradient.
+
+    Why: PyTorch's cuDNN attention caches its backward graph per shape and q/k/v layout but not per layout of the
+    incoming gradient (measured on torch 2.11 + cuDNN 9.19, H200): the first backward at a shape fixes the gradient
+    layout, and a later call at that shape with the gradient in another layout gets dq/dk/dv that are simply wrong
+    (errors of 100% and more), silently. The attention probe runs at the run's shape with a contiguous gradient
+    before training, while the gradient of a plain transpose + flatten comes back transposed: every block's
+    attention got wrong gradients. With this op every block attention's backward gets the probe's layout, on every
+    backend. A custom op rather than an autograd.Function: torch.compile's AOTAutograd cache keys custom ops, while
+    an autograd.Function in a graph makes the cache bypass it."""
+    return x.transpose(1, 2).clone(memory_format=torch.contiguous_format).flatten(2)
+
+
+@heads_to_tokens.register_fake
+def _(x: Tensor) -> Tensor:
+    B, H, L, D = x.shape
+    return x.new_empty((B, L, H * D))
+
+
+def _heads_to_tokens_setup(ctx, inputs, output) -> None:
+    ctx.heads = inputs[0].shape[1]
+
+
+def _heads_to_tokens_backward(ctx, grad: Tensor) -> Tensor:
+    B, L, _ = grad.shape
+    return grad.reshape(B, L, ctx.heads, -1).transpose(1, 2).contiguous()
+
+
+heads_to_tokens.register_autograd(_heads_to_tokens_backward, setup_context=_heads_to_tokens_setup)
+
+
 def _sdpa_only(kind: str) -> contextlib.AbstractContextManager:
     """PyTorch's SDPA switched to one of its backends (`kind`, an SDPBackend member name) while held."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

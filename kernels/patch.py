@@ -16,7 +16,8 @@ operations in sd-scripts' order; each fused step is swapped in only where its sw
     slice of the concatenated output and rotating each row by its own `pe` row is the same computation; the
     kernel even rounds the normalised value to the input dtype before rotating, as QKNorm's return does.
   * attention: `attention()` minus RoPE (done above): SDPA or another backend that the probe found to agree
-    with the fp32 math reference, then "B H L D -> B L (H D)".
+    with the fp32 math reference, then "B H L D -> B L (H D)" as `flux_kernels.attention.heads_to_tokens`, which
+    hands the backend's backward a contiguous gradient (its docstring says why).
   * gated_residual: `x + gate * y` with one rounding.
   * gated_modulate: in the double block, the residual update after attention and the modulated LayerNorm of
     its result that feeds the MLP, in one kernel (the residual is recomputed in backward, not kept).
@@ -38,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from flux_kernels import fast, reference
+from flux_kernels.attention import heads_to_tokens
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ class BlockOps:
             x = self.attention(q, k, v, mask)
         else:
             x = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return x.transpose(1, 2).flatten(2)
+        return heads_to_tokens(x)
 
 
 def _heads(qkv: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:

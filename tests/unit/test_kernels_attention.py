@@ -267,3 +267,18 @@ def test_every_rank_uses_rank_zeros_attention_choice(tmp_path):
     assert [own for own, _, _ in got] == ["sdpa_math", "sdpa"]  # they measured differently
     assert [chosen for _, chosen, _ in got] == ["sdpa_math", "sdpa_math"]
     assert got[1][2] == got[0][2] and got[0][2].startswith("sdpa_math at (1, 2, 33, 16)")
+
+
+def test_heads_to_tokens_is_the_blocks_rearrange_and_hands_back_a_contiguous_gradient():
+    """The blocks' "B H L D -> B L (H D)" after attention, as a custom op whose backward makes the attention's
+    gradient contiguous (cuDNN attention keeps the gradient layout of its first backward at a shape)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 4, generator=gen).requires_grad_()
+    torch.library.opcheck(attention.heads_to_tokens, (x,))
+    out = attention.heads_to_tokens(x)
+    assert torch.equal(out, x.transpose(1, 2).flatten(2))
+    wide = torch.randn(2, 5, 20, generator=gen)  # the single block's gradient: a slice of a wider one
+    for grad in (torch.randn(2, 5, 12, generator=gen), wide[..., :12]):
+        (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+        assert gx.is_contiguous()
+        assert torch.equal(gx, grad.reshape(2, 5, 3, 4).transpose(1, 2))

@@ -93,6 +93,36 @@ def test_patched_blocks_with_switches_off_are_sd_scripts_bit_for_bit(fm, dtype):
         assert "_forward" not in model.double_blocks[0].__dict__
 
 
+def test_every_block_attention_gets_a_contiguous_gradient(fm):
+    """PyTorch's cuDNN attention keeps the gradient layout of its first backward at a shape and gives wrong
+    gradients to a later call with another layout (flux_kernels.attention.heads_to_tokens); the probe uses a
+    contiguous one, so the patched blocks hand every attention backward a contiguous gradient, values unchanged."""
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(grad.is_contiguous())
+            return grad
+
+    def backend(q, k, v, mask):
+        return Spy.apply(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+    model = _blocks(fm, torch.float32)
+    want = _run_blocks(model, torch.float32, True)
+    patch._ops_of(model).attention = backend
+    try:
+        got = _run_blocks(model, torch.float32, True)
+    finally:
+        patch.remove_kernels(model)
+    assert seen == [True, True]  # the double block's and the single block's attention
+    assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want, strict=True))
+
+
 def test_blocks_found_by_attributes_and_gradient_checkpointing_still_wraps(fm, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU without the interpreter: the reference path
     model = _blocks(fm, torch.float32)
