@@ -105,13 +105,43 @@ def test_compare_runs_loss_difference_and_lora_cosines(tmp_path):
     same = _fake_run(tmp_path / "same", [1.0, 0.5, 0.25], {"a.lora_up.weight": up, "a.lora_down.weight": down})
     other = _fake_run(tmp_path / "other", [1.1, 0.45, 0.25], {"a.lora_up.weight": -up, "a.lora_down.weight": down})
     assert compare_runs(ref, same) == {"loss_rel_diff": 0.0, "lora_cosine": pytest.approx(1.0),
-                                       "lora_up_cosine": pytest.approx(1.0)}  # fmt: skip
+                                       "lora_up_cosine": pytest.approx(1.0), "lora_up_min_cosine": pytest.approx(1.0),
+                                       "lora_up_min_group": "a"}  # fmt: skip
     got = compare_runs(ref, other)
     assert got["loss_rel_diff"] == pytest.approx((0.1 + 0.1) / 3, rel=1e-5)
     assert got["lora_up_cosine"] == pytest.approx(-1.0)  # the learned half points the other way
     n_up, n_down = up.double().square().sum(), down.double().square().sum()
     # absolute tolerance: n_down - n_up can be near zero for some draws, and float32 sums differ in the 7th digit
     assert got["lora_cosine"] == pytest.approx(float((n_down - n_up) / (n_down + n_up)), abs=1e-5)
+
+
+def test_compare_runs_names_the_kind_of_module_whose_lora_up_agrees_least(tmp_path):
+    """One kind of module (txt qkv, in every block) learned something else; the whole lora_up stays close. Module
+    kinds that both runs left at zero count as equal, not as a cosine of 0."""
+    import torch
+
+    from flux_trainer.bench import compare_runs, module_group
+
+    gen = torch.Generator().manual_seed(0)
+    ref, got = {}, {}
+    for block in range(3):
+        for kind, width in (("img_mlp_0", 64), ("img_mlp_2", 64), ("txt_attn_qkv", 8), ("img_mod_lin", 8)):
+            key = f"lora_unet_double_blocks_{block}_{kind}.lora_up.weight"
+            up = torch.randn(width, 4, generator=gen)
+            noise = torch.randn(width, 4, generator=gen)
+            if kind == "img_mod_lin":  # untouched in both runs
+                up, noise = torch.zeros(width, 4), torch.zeros(width, 4)
+            ref[key], got[key] = up, up + (1.5 if kind == "txt_attn_qkv" else 0.01) * noise
+    out = compare_runs(_fake_run(tmp_path / "ref", [1.0], ref), _fake_run(tmp_path / "got", [1.0], got))
+    assert out["lora_up_cosine"] > 0.9  # the wide modules dominate the whole
+    assert out["lora_up_min_group"] == "double_blocks_N_txt_attn_qkv"
+    assert 0.3 < out["lora_up_min_cosine"] < 0.8  # ~1 / sqrt(1 + 1.5^2)
+    assert module_group("lora_unet_single_blocks_12_linear1.lora_up.weight") == "single_blocks_N_linear1"
+    assert module_group("lora_unet_double_blocks_0_img_mlp_2.lora_up.weight") == "double_blocks_N_img_mlp_2"
+    from flux_trainer.bench import BenchResult, numerics_table
+
+    row = BenchResult(case="k-auto", overrides=[], exit_code=0, compared_to="k-off", **out)
+    assert f"{out['lora_up_min_cosine']:.4f} (double_blocks_N_txt_attn_qkv)" in numerics_table([row])
 
 
 def test_compare_kernel_sets_pairs_each_case_with_the_first_sets_run(tmp_path):
