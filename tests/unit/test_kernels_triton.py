@@ -220,7 +220,9 @@ def test_compiled_blocks_use_the_reference_for_the_fused_ops(dev, fm):
         compile_blocks.remove(model)
         patch.remove_kernels(model)
         torch._dynamo.reset()
-    assert graphs and not any("torch.ops.flux_kernels." in g for g in graphs)  # the custom ops
+    # none of the fused ops' custom ops (the attention output's rearrange is a custom op of its own, and stays)
+    fused_ops = [g.replace("torch.ops.flux_kernels.heads_to_tokens", "") for g in graphs]
+    assert graphs and not any("torch.ops.flux_kernels." in g for g in fused_ops)
     assert "qk_norm_rope, modulate, gated_residual, gated_modulate: inductor's code inside the compiled" in note
     for g, w in zip(got, eager, strict=True):
         assert_close(g, w, torch.float32)
