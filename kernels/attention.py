@@ -78,17 +78,19 @@ class BackendResult:
 
 @torch.library.custom_op("flux_kernels::heads_to_tokens", mutates_args=())
 def heads_to_tokens(x: Tensor) -> Tensor:
-    """An attention output [B, H, L, D] as tokens [B, L, H*D] (sd-scripts' "B H L D -> B L (H D)", the same copy),
-    whose backward hands the attention a contiguous [B, H, L, D] gradient.
+    """An attention output [B, H, L, D] as tokens [B, L, H*D] (sd-scripts' "B H L D -> B L (H D)", the same copy), whose
+    backward hands the attention a contiguous [B, H, L, D] gradient.
 
     Why: PyTorch's cuDNN attention caches its backward graph per shape and q/k/v layout but not per layout of the
     incoming gradient (measured on torch 2.11 + cuDNN 9.19, H200): the first backward at a shape fixes the gradient
     layout, and a later call at that shape with the gradient in another layout gets dq/dk/dv that are simply wrong
-    (errors of 100% and more), silently. The attention probe runs at the run's shape with a contiguous gradient
-    before training, while the gradient of a plain transpose + flatten comes back transposed: every block's
-    attention got wrong gradients. With this op every block attention's backward gets the probe's layout, on every
-    backend. A custom op rather than an autograd.Function: torch.compile's AOTAutograd cache keys custom ops, while
-    an autograd.Function in a graph makes the cache bypass it."""
+    (errors of 100% and more), silently. The attention probe runs at the run's shape with a contiguous gradient before
+    training, while the gradient of a plain transpose + flatten comes back transposed: the double blocks' attention got
+    wrong gradients (the single blocks' v is a view of qkv: another cache entry). With this op every block attention's
+    backward gets the probe's layout, on every backend. (The other way round holds too: code that passes another layout
+    first at the same shape, such as sd-scripts' own blocks beside these in one process, makes these wrong; training
+    never does that.) A custom op rather than an autograd.Function: torch.compile's AOTAutograd cache keys custom ops,
+    while an autograd.Function in a graph makes the cache bypass it."""
     return x.transpose(1, 2).clone(memory_format=torch.contiguous_format).flatten(2)
 
 
