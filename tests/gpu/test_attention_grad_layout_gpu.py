@@ -25,11 +25,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def dev():
-    return torch.device("cuda")
-
-
 TXT = {False: 160, True: 176}  # text tokens per variant: image 1040, so 1200 / 1216 tokens, shapes no other test uses
 
 

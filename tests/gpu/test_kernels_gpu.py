@@ -39,11 +39,6 @@ QK_SHAPES = [(1, 24, 512, 4096), (2, 24, 1, 77), (3, 5, 13, 331)]
 ROW_SHAPES = [(1, 4608, 3072), (2, 4097, 3072), (3, 333, 3072), (2, 77, 1000)]
 
 
-@pytest.fixture(scope="module")
-def dev():
-    return torch.device("cuda")
-
-
 @pytest.fixture(autouse=True)
 def _private_attention_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLUX_KERNELS_CACHE", str(tmp_path / "attention_probe.json"))
