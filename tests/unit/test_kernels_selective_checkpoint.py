@@ -117,6 +117,40 @@ def test_compiled_blocks_keep_what_the_policy_says_with_the_same_gradients(fm, t
     assert kept - plain_bytes >= 3 * 80 * 256 * 4, (kept, plain_bytes)
 
 
+def _cache_counts(fm) -> dict[str, int]:
+    """AOTAutograd cache outcomes of compiling and running the selectively checkpointed tiny Flux once."""
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["aot_autograd"])
+    torch._dynamo.reset()
+    model = _model(fm, selective=True, compiled=True)
+    try:
+        _grads(model)
+    finally:
+        sac.remove(model)
+        torch._dynamo.reset()
+    return {
+        k: counters["aot_autograd"][f"autograd_cache_{k}"] - before.get(f"autograd_cache_{k}", 0)
+        for k in ("hit", "miss", "bypass")
+    }
+
+
+def test_selectively_checkpointed_graphs_stay_in_the_autograd_cache_keyed_on_the_policy(
+    fm, tmp_path, monkeypatch, torch_config
+):
+    """torch bypasses AOTAutograd's cache for a graph whose checkpoint context_fn has no `cache_hash` (measured on the
+    H200: both checkpointed graphs compiled anew in every run). With it, a second run hits the cache, and a changed
+    policy (RATIO) misses rather than reusing graphs that keep other outputs."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch_config(torch._inductor.config, fx_graph_cache=True)
+    torch_config(torch._functorch.config, enable_autograd_cache=True)
+    first = _cache_counts(fm)
+    assert first["miss"] >= 2 and first["bypass"] == 0, first  # the double and the single block's graphs
+    assert _cache_counts(fm) == {"hit": first["miss"], "miss": 0, "bypass": 0}
+    monkeypatch.setattr(sac, "RATIO", sac.RATIO + 1)
+    assert _cache_counts(fm)["miss"] == first["miss"]
+
+
 def test_install_hooks_only_the_installed_models_blocks_and_remove_restores(fm):
     original = fm.checkpoint
     model, other = _model(fm, selective=True), _model(fm, selective=False)
