@@ -43,6 +43,7 @@ class BenchResult:
     mfu: float | None = None
     first_step_s: float | None = None
     step1_extra_s: float | None = None  # the first step's compute (data wait excluded) minus the median step
+    step2_extra_s: float | None = None  # the same for the second (a retrace there: selective checkpointing's plan)
     compared_to: str | None = None  # numerics against this case (same settings, the first --kernels set)
     loss_rel_diff: float | None = None  # mean over steps of |loss - loss_ref| / |loss_ref|
     lora_cosine: float | None = None  # cosine of all LoRA tensors after the run, flattened together
@@ -114,8 +115,8 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
         out.update(s_per_step=statistics.median(deltas), s_min=min(deltas), s_max=max(deltas))
     step_s, data_s = dict(tags.get("time/step_s", [])), dict(tags.get("time/data_s", []))
     if step_s and deltas:
-        first = min(step_s)
-        out["step1_extra_s"] = step_s[first] - data_s.get(first, 0.0) - out["s_per_step"]
+        for key, step in zip(("step1_extra_s", "step2_extra_s"), sorted(step_s), strict=False):
+            out[key] = step_s[step] - data_s.get(step, 0.0) - out["s_per_step"]
     if tags.get("vram/peak_gib"):
         out["torch_peak_gib"] = max(v for _, v in tags["vram/peak_gib"])
     for tag, key in (("throughput/tflops", "tflops"), ("throughput/mfu", "mfu")):
@@ -331,14 +332,16 @@ def table(results: list[BenchResult]) -> str:
 
     head = (
         f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'torch pk':>8} {'card pk':>8} "
-        f"{'TFLOP/s':>7} {'MFU':>5} {'1st step':>8}"
+        f"{'TFLOP/s':>7} {'MFU':>5} {'1st step':>8} {'+s 1st/2nd':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         rng = f"{f(r.s_min)}-{f(r.s_max)}" if r.s_min is not None else "-"
+        extra = f"{f(r.step1_extra_s, '.1f')}/{f(r.step2_extra_s, '.1f')}"
         lines.append(
             f"{r.case[:36]:<36} {r.exit_code:>4} {f(r.s_per_step):>7} {rng:>13} {f(r.torch_peak_gib, '.1f'):>8} "
-            f"{f(r.card_peak_gib, '.1f'):>8} {f(r.tflops, '.0f'):>7} {f(r.mfu, '.2f'):>5} {f(r.first_step_s, '.0f'):>8}"
+            f"{f(r.card_peak_gib, '.1f'):>8} {f(r.tflops, '.0f'):>7} {f(r.mfu, '.2f'):>5} "
+            f"{f(r.first_step_s, '.0f'):>8} {extra:>11}"
         )
     return "\n".join(lines)
 

@@ -95,6 +95,28 @@ def _fake_run(folder, losses, tensors):
     return folder
 
 
+def test_step_stats_time_steps_and_the_first_two_steps_extra(tmp_path):
+    """s/step from the loss events' wall times after the warm-up; the first and second steps' compute (data wait
+    excluded) beyond the median: compiling, and selective checkpointing's retrace at the second step."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from flux_trainer.bench import BenchResult, step_stats, table
+
+    writer = SummaryWriter(str(tmp_path / "tb" / "network_train"))
+    walls = {1: 100.0, 2: 111.0, 3: 111.5, 4: 112.0, 5: 112.6, 6: 113.0}
+    compute = {1: 30.5, 2: 10.5, 3: 0.5, 4: 0.5, 5: 0.6, 6: 0.4}
+    for step, wall in walls.items():
+        writer.add_scalar("loss/current", 1.0, step, walltime=wall)
+        writer.add_scalar("time/step_s", compute[step] + 2.0, step, walltime=wall)
+        writer.add_scalar("time/data_s", 2.0, step, walltime=wall)
+    writer.close()
+    stats = step_stats(tmp_path / "tb", warmup=2)
+    assert stats["s_per_step"] == pytest.approx(0.5) and stats["s_max"] == pytest.approx(0.6)
+    assert stats["step1_extra_s"] == pytest.approx(30.0) and stats["step2_extra_s"] == pytest.approx(10.0)
+    stats.pop("first_wall")
+    assert "30.0/10.0" in table([BenchResult(case="c", overrides=[], exit_code=0, **stats)])
+
+
 def test_compare_runs_loss_difference_and_lora_cosines(tmp_path):
     import torch
 
