@@ -4,6 +4,7 @@ and health per step, run texts once. Kept apart from runner.py so it is testable
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class RunHooks:
         self._optimizer_kernels: list[str] = []
         self._bypass_reasons: CacheBypassReasons | None = None
         self._compile_cache = ""  # the cache line after the first step (log and TensorBoard's run/compile_cache)
+        self._compiled: CompileState | None = None  # the compile counts and seconds at the last report
         self.fit = None  # memory.checkpoint_skip (checkpoint_fit.CheckpointFit), from before_prepare on
         self._accumulation = 1
         self._retries_warned = False
@@ -134,14 +136,25 @@ class RunHooks:
                     ]
                 }
 
+    def report_compiling(self, step: int) -> None:
+        """After the first step: the compile caches' outcomes and the seconds spent compiling. After a later step
+        that compiled more (selective checkpointing's plan at the second step, a new bucket shape): what it compiled."""
+        reasons = self._bypass_reasons.reasons if self._bypass_reasons else None
+        if step == COMPILE_CHECKED_AT:
+            self._compiled = CompileState.now()
+            self._compile_cache = report_compile_cache(reasons, self._compiled)
+        elif self._compiled is not None and (now := CompileState.now()).counts != self._compiled.counts:
+            report_compile_cache(reasons, now, since=self._compiled, step=step)
+            self._compiled = now
+
     def step_end(self, accelerator: Any, logs: dict, global_step: int) -> dict[str, float]:
         """Tags to add to sd-scripts' logs for this step. Runs on the main process only (sd-scripts tracks there).
         A profile window still open after the last step closes here, so it holds training steps only, not the final
         save (which once passed for 456 syncs per step: the LoRA's tensors copied to the CPU)."""
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
-        if "compile_blocks" in self.kernels_installed and global_step == COMPILE_CHECKED_AT:
-            self._compile_cache = report_compile_cache(self._bypass_reasons.reasons if self._bypass_reasons else None)
+        if "compile_blocks" in self.kernels_installed:
+            self.report_compiling(global_step)
         if "cuda_graphs" in self.kernels_installed and global_step == GRAPHS_CHECKED_AT:
             self.report_cudagraph_skips()
         if self.fit is not None:
@@ -444,14 +457,45 @@ class CacheBypassReasons(logging.Filter):
         return record.levelno >= self._shown.get(record.name, logging.NOTSET)
 
 
-def report_compile_cache(bypass_reasons: dict[str, int] | None = None) -> str:
+def compile_seconds() -> float | None:
+    """Seconds torch.compile has spent compiling in this process (tracing, AOTAutograd and inductor, cache hits'
+    loading included; forward and backward), None where this torch does not say."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent()["total_wall_time"])
+    except Exception:  # noqa: BLE001 - a private API: a torch without it only loses the number
+        return None
+
+
+@dataclass(frozen=True)
+class CompileState:
+    counts: dict[str, int]
+    seconds: float | None
+
+    @staticmethod
+    def now() -> CompileState:
+        return CompileState(compile_cache_counts(), compile_seconds())
+
+
+def report_compile_cache(
+    bypass_reasons: dict[str, int] | None = None,
+    now: CompileState | None = None,
+    since: CompileState | None = None,
+    step: int | None = None,
+) -> str:
     """After the first step: how much of the compiling came from the cache (a second run of the same shapes
-    should be all hits), and why some of it cannot be cached (torch's reasons, when they were collected).
-    Logged, and returned for TensorBoard."""
-    c = compile_cache_counts()
-    line = "torch.compile cache: " + ", ".join(
+    should be all hits), how long it took, and why some of it cannot be cached (torch's reasons, when they were
+    collected). With `since`: what was compiled after that (at `step`). Logged, and returned for TensorBoard."""
+    now = now or CompileState.now()
+    c = {k: v - (since.counts.get(k, 0) if since else 0) for k, v in now.counts.items()}
+    seconds = now.seconds - (since.seconds or 0.0) if since and now.seconds is not None else now.seconds
+    head = "torch.compile cache" if step is None else f"torch.compile at step {step}, compiled again: cache"
+    line = f"{head}: " + ", ".join(
         f"{n} {c[n + '_hit']} hit / {c[n + '_miss']} miss / {c[n + '_bypass']} bypass" for n in ("inductor", "autograd")
     )
+    if seconds is not None:
+        line += f"; {seconds:.1f} s compiling"
     if c["inductor_bypass"] or c["autograd_bypass"]:
         why = "; ".join(f"{reason} ({n}x)" for reason, n in (bypass_reasons or {}).items())
         why = f"torch says: {why}" if why else "TORCH_LOGS=aot,inductor says why"

@@ -129,18 +129,34 @@ def test_compile_cache_outcomes_are_reported_after_the_first_step(tmp_path, monk
         ("aot_autograd", "autograd_cache_bypass", 0),
     ):
         monkeypatch.setitem(counters[group], key, n)
+    seconds = iter([12.5, 12.5, 20.0, 20.0])  # torch's compile time so far, at each look
+    monkeypatch.setattr(hooks_mod, "compile_seconds", lambda: next(seconds))
     caplog.set_level(logging.INFO, logger="flux_trainer.runner")
     h = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={"enabled": False}), tmp_path)
     h.kernels_installed = ["compile_blocks"]
     h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT + 1)
-    assert "torch.compile cache" not in caplog.text  # only once, after the first step
+    assert "torch.compile" not in caplog.text  # nothing before the first step's report
     h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT)
-    assert "torch.compile cache: inductor 5 hit / 2 miss / 0 bypass, autograd 3 hit / 1 miss / 0 bypass" in caplog.text
+    assert (
+        "torch.compile cache: inductor 5 hit / 2 miss / 0 bypass, autograd 3 hit / 1 miss / 0 bypass; 12.5 s compiling"
+        in caplog.text
+    )
     assert "WARNING" not in caplog.text
-    monkeypatch.setitem(counters["aot_autograd"], "autograd_cache_bypass", 4)
     caplog.clear()
-    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT)
-    assert "autograd 3 hit / 1 miss / 4 bypass" in caplog.text and "TORCH_LOGS=aot,inductor" in caplog.text
+    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT + 1)
+    assert "torch.compile" not in caplog.text  # a later step that compiled nothing says nothing
+    monkeypatch.setitem(counters["inductor"], "fxgraph_cache_hit", 7)  # a later step compiles two graphs more
+    monkeypatch.setitem(counters["aot_autograd"], "autograd_cache_hit", 4)
+    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT + 2)
+    step = hooks_mod.COMPILE_CHECKED_AT + 2
+    assert (
+        f"torch.compile at step {step}, compiled again: cache: inductor 2 hit / 0 miss / 0 bypass, autograd 1 hit / "
+        "0 miss / 0 bypass; 7.5 s compiling"
+    ) in caplog.text
+    caplog.clear()
+    monkeypatch.setitem(counters["aot_autograd"], "autograd_cache_bypass", 4)
+    h.step_end(None, {}, step + 1)
+    assert "autograd 0 hit / 0 miss / 4 bypass; 0.0 s" in caplog.text and "TORCH_LOGS=aot,inductor" in caplog.text
     assert caplog.records[-1].levelname == "WARNING"
 
 
