@@ -138,6 +138,46 @@ def _attention_row(r: Any, where: str) -> CheckResult:
     return CheckResult(f"attention: {name}", FAIL, f"{what} at {where}: {error}", _fix_for(name), GROUP_ATTENTION, data)
 
 
+LAYOUT_TOLERANCE = 0.05  # bf16 gradients against fp32: ~1e-2 on a correct stack, 1.3-2.2 with the fault
+
+
+def gradient_layout_check(
+    device: Any = "cuda", *, name: str = "sdpa_cudnn", dtype: Any = None, backends: Mapping[str, Any] | None = None
+) -> CheckResult:
+    """Whether a backend's backward stays right when, at one shape, the incoming gradient comes in another layout
+    than in its first backward (torch 2.11 + cuDNN 9.19 keep the first: wrong q/k/v gradients, silently).
+    flux-train's blocks always hand the attention one layout (flux_kernels.attention.heads_to_tokens), so a warning
+    here is about other code on this stack, not flux-train's training."""
+    check = f"attention: {name} gradient layout"
+    try:
+        import torch
+
+        fk_attention = importlib.import_module("flux_kernels.attention")
+        dtype = torch.bfloat16 if dtype is None else dtype
+        err = fk_attention.gradient_layout_error(name, device, dtype=dtype, backends=backends)
+    except Exception as e:  # noqa: BLE001 - the check must not crash the doctor
+        if "No available kernel" in str(e):
+            return CheckResult(check, SKIP, f"PyTorch has no {name} kernel here ({one_line(e)})", "", GROUP_ATTENTION)
+        return CheckResult(check, WARN, f"could not run: {one_line(e)}", "", GROUP_ATTENTION)
+    data = {"max_rel_err": err}
+    if err <= LAYOUT_TOLERANCE:  # NaN compares false: a warning
+        evidence = (
+            f"a second backward at one shape with the gradient in another layout: right q/k/v gradients (max rel. "
+            f"error {err:.1e} vs fp32)"
+        )
+        return CheckResult(check, PASS, evidence, "", GROUP_ATTENTION, data)
+    evidence = (
+        f"a second backward at one shape with the gradient in another layout gets wrong q/k/v gradients (max rel. "
+        f"error {err:.2g} vs fp32): this PyTorch keeps the first layout it saw per shape. flux-train's blocks always "
+        "hand the attention one layout, so its training is not affected; other code using SDPA here can be"
+    )
+    fix = (
+        "nothing for flux-train; for other code on this stack: torch.backends.cuda.enable_cudnn_sdp(False), or a "
+        "PyTorch / cuDNN that fixes it"
+    )
+    return CheckResult(check, WARN, evidence, fix, GROUP_ATTENTION, data)
+
+
 def kernel_checks(device: Any = "cuda", *, registry: Mapping[str, Any] | None = None) -> list[CheckResult]:
     """One row per flux_kernels kernel (attention choice aside, covered above): skip where it does not apply, else
     its probe (fast vs reference, forward and backward) decides pass or fail."""
@@ -210,4 +250,5 @@ def attention_and_kernel_checks(info: Any) -> list[CheckResult]:
     torch.cuda.empty_cache()
     rows += kernel_checks(device)
     torch.cuda.empty_cache()
+    rows.append(gradient_layout_check(device, dtype=dtype))  # last: the fault it looks for can break the context
     return rows

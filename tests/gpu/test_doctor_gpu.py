@@ -128,3 +128,24 @@ def test_fast_checks_need_no_gpu_kernels_and_take_about_a_second(tmp_path):
     assert by["torch build"].status == "pass", by["torch build"].evidence
     assert not {r.group for r in rows} & {"attention", "kernels", "speed"}
     assert elapsed < 5, f"fast_checks took {elapsed:.1f} s"
+
+
+def test_the_gradient_layout_row_reports_its_measurement(report):
+    """The cuDNN gradient-layout row (flux_kernels.attention.heads_to_tokens works around the fault it looks for):
+    a verdict that follows its own number."""
+    row = report["rows"]["attention: sdpa_cudnn gradient layout"]
+    assert row.status in ("pass", "warn", "skip"), f"{row.evidence}\n{report['table']}"
+    if row.status != "skip":
+        err = row.data["max_rel_err"]
+        assert (row.status == "warn") == (not err <= doctor_attention.LAYOUT_TOLERANCE), row.evidence
+        print(f"\nsdpa_cudnn gradient layout: {row.status}, max rel. error {err:.3g}")
+
+
+@pytest.mark.parametrize("name", ["sdpa_flash", "sdpa_efficient"])
+def test_backends_without_the_fault_pass_the_layout_measurement(name):
+    """The measurement itself on CUDA: backends that keep no per-shape gradient layout (measured on the H200)
+    give bf16-rounding errors, at a shape of their own."""
+    from flux_kernels.attention import gradient_layout_error
+
+    err = gradient_layout_error(name, "cuda", shape=(1, 3, 301, 64))
+    assert err <= doctor_attention.LAYOUT_TOLERANCE, err

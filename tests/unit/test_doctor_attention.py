@@ -160,3 +160,43 @@ def test_without_a_gpu_attention_and_kernels_are_one_skip_each():
 @pytest.mark.parametrize("name", ["xformers", "flash_attn", "sdpa_flash", "other"])
 def test_every_failing_backend_gets_a_fix(name):
     assert doctor_attention._fix_for(name)
+
+
+class _LayoutBound(torch.autograd.Function):
+    """Attention whose backward is wrong unless the incoming gradient is contiguous, the way torch 2.11 + cuDNN
+    9.19 behave once a shape's first backward had a contiguous one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return sdpa(q, k, v, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+            grads = torch.autograd.grad(sdpa(q, k, v, None), (q, k, v), grad)
+        return grads if grad.is_contiguous() else tuple(g.flip(-2) for g in grads)
+
+
+def layout_row(run):
+    return doctor_attention.gradient_layout_check("cpu", name="mine", dtype=torch.float32, backends=backends(mine=run))
+
+
+def test_a_backend_wrong_with_another_gradient_layout_is_a_warning_that_says_flux_train_is_safe():
+    row = layout_row(lambda q, k, v, mask: _LayoutBound.apply(q, k, v))
+    assert row.status == "warn" and row.data["max_rel_err"] > 0.5, row.evidence
+    assert "flux-train's blocks always hand the attention one layout" in row.evidence
+    assert "enable_cudnn_sdp(False)" in row.fix
+
+
+def test_a_backend_right_with_either_gradient_layout_passes():
+    row = layout_row(sdpa)
+    assert row.status == "pass" and row.data["max_rel_err"] < 1e-5, row.evidence
+    assert fk_attention.gradient_layout_error("sdpa_math", "cpu", dtype=torch.float32) < 1e-5
+
+
+def test_the_layout_check_skips_a_missing_kernel_and_warns_when_it_cannot_run():
+    assert layout_row(no_kernel).status == "skip"
+    row = layout_row(broken)
+    assert row.status == "warn" and "could not run" in row.evidence
