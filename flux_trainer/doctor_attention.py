@@ -250,5 +250,5 @@ def attention_and_kernel_checks(info: Any) -> list[CheckResult]:
     torch.cuda.empty_cache()
     rows += kernel_checks(device)
     torch.cuda.empty_cache()
-    rows.append(gradient_layout_check(device, dtype=dtype))  # last: the fault it looks for can break the context
+    rows.append(gradient_layout_check(device, dtype=dtype))  # after the others: the fault once broke a CUDA context
     return rows
