@@ -143,9 +143,9 @@ class RunHooks:
         if step == COMPILE_CHECKED_AT:
             self._compiled = CompileState.now()
             self._compile_cache = report_compile_cache(reasons, self._compiled)
-        elif self._compiled is not None and (now := CompileState.now()).counts != self._compiled.counts:
-            report_compile_cache(reasons, now, since=self._compiled, step=step)
-            self._compiled = now
+        elif self._compiled is not None and compile_cache_counts() != self._compiled.counts:  # the counters alone
+            self._compiled, since = CompileState.now(), self._compiled
+            report_compile_cache(reasons, self._compiled, since=since, step=step)
 
     def step_end(self, accelerator: Any, logs: dict, global_step: int) -> dict[str, float]:
         """Tags to add to sd-scripts' logs for this step. Runs on the main process only (sd-scripts tracks there).

@@ -129,8 +129,10 @@ def test_compile_cache_outcomes_are_reported_after_the_first_step(tmp_path, monk
         ("aot_autograd", "autograd_cache_bypass", 0),
     ):
         monkeypatch.setitem(counters[group], key, n)
-    seconds = iter([12.5, 12.5, 20.0, 20.0])  # torch's compile time so far, at each look
-    monkeypatch.setattr(hooks_mod, "compile_seconds", lambda: next(seconds))
+    # torch's compile time so far: 12.5 s, and 20 s once a later step has compiled more (below)
+    monkeypatch.setattr(
+        hooks_mod, "compile_seconds", lambda: 20.0 if counters["inductor"]["fxgraph_cache_hit"] > 5 else 12.5
+    )
     caplog.set_level(logging.INFO, logger="flux_trainer.runner")
     h = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={"enabled": False}), tmp_path)
     h.kernels_installed = ["compile_blocks"]
