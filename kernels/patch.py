@@ -309,10 +309,11 @@ def install_lora_fold(model: nn.Module, **_) -> str:
 def remove_kernels(model: nn.Module) -> list[str]:
     """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation,
     Linear layers get their forward back (weights that fp8_matmul quantised stay fp8)."""
-    from flux_kernels import compile_blocks, fp8, lora_fold, lora_norms
+    from flux_kernels import activation_offload, compile_blocks, fp8, lora_fold, lora_norms
     from flux_kernels import selective_checkpoint as sac
 
     undone = ["fp8"] if fp8.uninstall(model) else []
+    undone += ["activation_offload"] if activation_offload.remove(model) else []
     undone += ["selective_checkpoint"] if sac.remove(model) else []
     undone += ["lora_fold"] if lora_fold.uninstall(model) else []
     undone += compile_blocks.remove(model)
@@ -396,7 +397,8 @@ def apply_kernels(
     `options` maps a kernel name to its install options. With `verify`, the patched blocks are first checked
     against sd-scripts' own forward; if they differ, the block patches are undone and then, for kernels the
     user named, KernelError is raised, while for `auto` one warning says so and training goes on without them.
-    `compile_blocks` is installed last, so what it compiles includes the other patches."""
+    `compile_blocks` is installed after the other patches, so what it compiles includes them (only
+    `activation_offload`, which wraps the compiled calls, comes after it)."""
     options = {name: dict(o) for name, o in (options or {}).items()}
     insists = getattr(selection, "insists", None) or (lambda name: getattr(selection, "explicit", True))
     if getattr(selection, "device", None) is not None:  # probe attention where training runs, not where the model is

@@ -7,7 +7,8 @@ fast op), a probe that runs both on tiny random inputs on this device, and `sele
     off       nothing
     [names]   exactly these; one that does not apply or fails its probe is an error naming why
     auto,a,-b auto's kernels plus `a` (insisted on, as above) without `b` (flux_kernels.request)
-Installed in registry order whatever the order asked (compile_blocks last, so it compiles the others' patches).
+Installed in registry order whatever the order asked (compile_blocks after the patches, so it compiles them, and
+activation_offload after it, since it wraps the compiled calls).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from flux_kernels import compile_blocks, fast, fp8, lora_fold, lora_norms, patch, prodigy, reference
+from flux_kernels import activation_offload, compile_blocks, fast, fp8, lora_fold, lora_norms, patch, prodigy, reference
 from flux_kernels import selective_checkpoint as sac
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
 from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
@@ -314,6 +315,15 @@ def sac_example(device, dtype, L=37, C=64, heads=2):
     return x, w_qkv, w_up, w_down, heads
 
 
+def offload_example(device, dtype, L=37, C=64):
+    """[2, L, C] activations through two MLP-like regions (what the offload probe's groups save)."""
+    gen = torch.Generator().manual_seed(0)
+    x = _rand(2, L, C, device=device, dtype=dtype, gen=gen)
+    w_up = _rand(4 * C, C, device=device, dtype=dtype, gen=gen, scale=C**-0.5)
+    w_down = _rand(C, 4 * C, device=device, dtype=dtype, gen=gen, scale=(4 * C) ** -0.5)
+    return x, w_up, w_down
+
+
 def compile_check(info: DeviceInfo) -> tuple[bool, str]:
     dev = info.torch_device
 
@@ -451,6 +461,18 @@ REGISTRY: dict[str, KernelSpec] = {
             compile_applies,
             compile_blocks.install,
             check=compile_check,
+        ),
+        KernelSpec(
+            "activation_offload",
+            "checkpointed blocks' saved tensors (their inputs, selective_checkpoint's outputs) wait in page-locked "
+            "host memory from forward to backward, copied on a side stream and reloaded one block ahead; needs "
+            "compile_blocks (installed after it: it wraps the compiled calls)",
+            cuda_applies,
+            activation_offload.install,
+            reference=activation_offload.reference_region,
+            fast=activation_offload.offloaded_region,
+            example=offload_example,
+            in_auto=False,  # opt-in until measured side by side on the checkpointed tiers
         ),
     )
 }

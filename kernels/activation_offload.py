@@ -1,0 +1,332 @@
+"""Activation offload (`activation_offload`): what a checkpointed FLUX block keeps for its backward waits in
+page-locked host memory instead of on the GPU, and comes back just before that block's backward needs it.
+
+A checkpointed block keeps its inputs (to run its forward again) and, with `selective_checkpoint`, its attention
+and wide-input matmul outputs (~54 MiB per block at 1024²). All of it is alive at once at the turn from forward to
+backward, which is where a checkpointed step peaks: 57 blocks' worth, ~1.5 GiB of inputs and ~3 GiB of selective
+outputs at 1024². Offloaded, that memory is free on the card, so selective checkpointing costs no GPU memory.
+
+How: the compiled block (`compile_blocks`) is one autograd function whose saved tensors pass through
+torch.autograd.graph.saved_tensors_hooks; `install` calls each checkpointed block inside this module's hooks.
+  * forward (pack): each saved tensor of at least MIN_BYTES that is not one of the model's parameters or buffers
+    (the frozen weights stay where they are) is copied into a page-locked host buffer on a side stream, after the
+    work that produced it; the caching allocator is told (record_stream) not to reuse its memory before the copy
+    is done, and the GPU tensor is dropped.
+  * backward (unpack): the first unpack of a block's tensors starts their copies back (unless already started),
+    makes the compute stream wait for them, and starts the copies of the block before it (the next one backward
+    reaches), so a block's reload overlaps the backward of the block after it.
+All copies go through one side stream, in the order they are issued, so a host buffer handed back to the pool after
+its reload is not written again before that reload has read it. Host buffers are kept in a pool by shape, stride
+and dtype and reused every step (the log says how much host memory they hold). The copies are bit-exact: nothing
+changes numerically.
+
+Not offloaded: tensors under MIN_BYTES (modulation vectors, RoPE tables, LoRA down-projections, the attention's
+log-sum-exp: little memory, and each copy has a fixed cost), non-dense views, the last KEEP_LAST checkpointed
+blocks' tensors (backward needs them first, while the copies of the forward's last blocks are still queued: on the
+H200 the copies each way run at ~55 GB/s, 4.6 GiB a step at 1024² takes ~90 ms, about a forward's time), and
+blocks that are not checkpointed (their
+activations are ~10x larger: the copies would take longer than the recompute they replace). Needs `compile_blocks`
+(under sd-scripts' eager checkpointing the kept tensors never pass through saved-tensor hooks). Nothing here
+imports sd-scripts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+ATTR = "_flux_activation_offload"  # on a block: the Offloader its checkpointed calls go through
+MIN_BYTES = 4 * 2**20  # smaller saved tensors stay on the GPU
+# the last checkpointed blocks in forward order keep their tensors on the GPU: backward needs them first, while the
+# copies to the host still queue behind the forward (H200, fp8 tier: 1 kept 0.566 s/step, 8 kept 0.486)
+KEEP_LAST = 8
+KEEP_LAST_ENV = "FLUX_KERNELS_OFFLOAD_KEEP_LAST"  # another count, for measuring the trade
+
+
+@dataclass(eq=False)
+class Group:
+    """One block call's offloaded tensors, in the order they were saved."""
+
+    device: torch.device
+    prev: Callable[[], Group | None]  # the group saved before this one in the same forward (a weak reference)
+    pending: list[Tensor] = field(default_factory=list)  # saved during the call, copied out when it returns
+    host: list[Tensor] = field(default_factory=list)
+    back: list[Tensor] = field(default_factory=list)  # the reloaded GPU tensors, once the reload started
+    saved: Any = None  # the offload stream's event after this group's copies to the host
+    ready: Any = None  # the reload stream's event after the copies back
+    loading: bool = False
+
+
+@dataclass(eq=False)
+class Packed:
+    group: Group
+    slot: int
+
+
+class Offloader:
+    """The saved-tensor hooks of one model's checkpointed blocks (see the module docstring)."""
+
+    def __init__(self, model: nn.Module | None = None, min_bytes: int = MIN_BYTES):
+        self.model = weakref.ref(model) if model is not None else (lambda: None)
+        self.min_bytes = min_bytes
+        # host buffers free for reuse, by (shape, stride, dtype), each with the event after which its last reload
+        # had read it (None on the CPU)
+        self.pool: dict[tuple, list[tuple[Tensor, Any]]] = {}
+        self.host_bytes = 0  # page-locked host memory the pool holds (in use or free)
+        self.step_bytes = 0  # offloaded since the last forward began
+        self.step_tensors = 0
+        self._streams: dict[torch.device, tuple[Any, Any]] = {}  # (to the host, back to the GPU)
+        self._last: Callable[[], Group | None] = lambda: None
+        self._unpacked = True  # an unpack happened since the last group: the next group starts a new forward
+        self._frozen: set[int] = set()
+        self._frozen_from: list[tuple[Tensor, int]] = []  # a few weights and where they were: moved means recount
+
+    # ---- the context a block call runs in --------------------------------------------------------------------------
+
+    def block_call(self) -> None:
+        """A training block call (offloaded or not): the first after a backward starts a new forward."""
+        if self._unpacked:
+            self._unpacked = False
+            self.step_bytes = self.step_tensors = 0
+            self._last = lambda: None
+            # the weights may have moved since the last forward (sd-scripts moves the model after install)
+            if not self._frozen_from or any(t.untyped_storage().data_ptr() != p for t, p in self._frozen_from):
+                self._frozen = self._frozen_storages()
+
+    @contextlib.contextmanager
+    def group(self, device: torch.device) -> Iterator[None]:
+        """Tensors saved inside are offloaded as one group (one block call), copied out when the call returns."""
+        self.block_call()
+        g = Group(torch.device(device), prev=self._last)
+        self._last = weakref.ref(g)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(g, t), self.unpack):
+                yield
+        finally:
+            self._offload(g)
+
+    def _frozen_storages(self) -> set[int]:
+        model = self.model()
+        if model is None:
+            return set()
+        tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"]
+        samples = tensors[:1] + tensors[len(tensors) // 2 : len(tensors) // 2 + 1] + tensors[-1:]
+        self._frozen_from = [(t, t.untyped_storage().data_ptr()) for t in samples]
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    def offloads(self, t: Tensor) -> bool:
+        """Whether a saved tensor goes to the host."""
+        return (
+            t.layout == torch.strided
+            and t.numel() * t.element_size() >= self.min_bytes
+            and not isinstance(t, nn.Parameter)
+            and t.untyped_storage().data_ptr() not in self._frozen
+            and dense(t)
+        )
+
+    # ---- the hooks -------------------------------------------------------------------------------------------------
+
+    def pack(self, g: Group, t: Tensor) -> Tensor | Packed:
+        if not self.offloads(t):
+            return t
+        g.pending.append(t)
+        return Packed(g, len(g.pending) - 1)
+
+    def unpack(self, packed: Tensor | Packed) -> Tensor:
+        self._unpacked = True
+        if isinstance(packed, Tensor):
+            return packed
+        g = packed.group
+        if not g.loading:
+            self._reload(g)
+        if g.ready is not None:
+            torch.cuda.current_stream(g.device).wait_event(g.ready)
+            g.ready = None  # waited for: the group's other tensors need no second wait
+        if (prev := g.prev()) is not None and not prev.loading:
+            self._reload(prev)  # the block backward reaches next
+        return g.back[packed.slot]  # freed with the group, when autograd lets go of the block's saved tensors
+
+    # ---- the copies --------------------------------------------------------------------------------------------------
+
+    def _offload(self, g: Group) -> None:
+        """The group's saved tensors to host buffers, after the work that made them; their GPU memory is free for
+        the allocator once the copies are done."""
+        pending, g.pending = g.pending, []
+        if not pending:
+            return
+        streams = self._streams_of(g.device)
+        if streams is None:
+            g.host = [self._host_buffer(t)[0] for t in pending]
+            for h, t in zip(g.host, pending, strict=True):
+                h.copy_(t)
+        else:
+            out = streams[0]
+            out.wait_stream(torch.cuda.current_stream(g.device))
+            with torch.cuda.stream(out):
+                for t in pending:
+                    h, read = self._host_buffer(t)
+                    if read is not None:
+                        out.wait_event(read)  # last step's reload of this buffer is done
+                    h.copy_(t, non_blocking=True)
+                    t.record_stream(out)  # the allocator waits for the copy before reusing t's memory
+                    g.host.append(h)
+                g.saved = torch.cuda.Event()
+                g.saved.record(out)
+        self.step_bytes += sum(t.numel() * t.element_size() for t in pending)
+        self.step_tensors += len(pending)
+
+    def _reload(self, g: Group) -> None:
+        g.loading = True
+        streams = self._streams_of(g.device)
+        if streams is None:
+            g.back = [h.to(g.device, copy=True) for h in g.host]
+            read = None
+        else:
+            back = streams[1]
+            compute = torch.cuda.current_stream(g.device)
+            g.back = [torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=g.device) for h in g.host]
+            back.wait_stream(compute)  # the new tensors' memory may still be in use by earlier compute work
+            if g.saved is not None:
+                back.wait_event(g.saved)  # the copies to the host are done
+            with torch.cuda.stream(back):
+                for dst, h in zip(g.back, g.host, strict=True):
+                    dst.copy_(h, non_blocking=True)
+                g.ready = read = torch.cuda.Event()
+                g.ready.record(back)
+            for dst in g.back:
+                dst.record_stream(back)  # written there: not reused before the copy, even if never read
+        for h in g.host:  # free for the next step's copies, which wait for `read` first
+            self.pool.setdefault(_key(h), []).append((h, read))
+        g.host = []
+
+    def _host_buffer(self, t: Tensor) -> tuple[Tensor, Any]:
+        free = self.pool.get(_key(t))
+        if free:
+            return free.pop()
+        pin = t.device.type == "cuda"
+        buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
+        self.host_bytes += buf.untyped_storage().nbytes()
+        return buf, None
+
+    def _streams_of(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
+
+
+def dense(t: Tensor) -> bool:
+    """Whether t's elements fill its storage span exactly once in some order of its dimensions (a permutation of
+    a contiguous tensor): it then copies as one block and comes back with the same strides."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _key(t: Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype
+
+
+# ---- install into the FLUX model ------------------------------------------------------------------------------------
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    from flux_kernels.patch import find_blocks
+
+    double, single = find_blocks(model)
+    return double + single
+
+
+def _wrap(block: nn.Module, offloader: Offloader, later: list[nn.Module], keep_last: int) -> None:
+    """Call the compiled block inside the offloader's hooks when it is checkpointed and training."""
+    compiled = block._compiled_call_impl
+
+    def call(*args, **kwargs):
+        if not (torch.is_grad_enabled() and block.training):
+            return compiled(*args, **kwargs)
+        offloader.block_call()
+        if not getattr(block, "gradient_checkpointing", False):
+            return compiled(*args, **kwargs)
+        if sum(bool(getattr(b, "gradient_checkpointing", False)) for b in later) < keep_last:
+            return compiled(*args, **kwargs)
+        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        if device is None:
+            return compiled(*args, **kwargs)
+        with offloader.group(device):
+            return compiled(*args, **kwargs)
+
+    block._compiled_call_impl = call
+
+
+def install(model: nn.Module, min_bytes: int = MIN_BYTES, keep_last: int = KEEP_LAST, **_) -> str:
+    """Route the compiled blocks' checkpointed calls through one Offloader. Raises KernelError without compiled
+    blocks, and with block swap or CPU-offloaded checkpointing (which move the blocks' tensors themselves)."""
+    from flux_kernels.patch import KernelError
+
+    if getattr(model, "blocks_to_swap", None) or getattr(model, "cpu_offload_checkpointing", False):
+        raise KernelError(
+            "activation_offload: block swap / CPU-offloaded checkpointing already move the blocks' tensors "
+            "(use one of them, not both)"
+        )
+    blocks = _blocks(model)
+    if not blocks or any(getattr(b, "_compiled_call_impl", None) is None for b in blocks):
+        raise KernelError(
+            "activation_offload: needs compile_blocks (a compiled block saves its tensors through saved-tensor "
+            "hooks; sd-scripts' eager checkpointing does not); add compile_blocks or drop activation_offload"
+        )
+    keep_last = int(os.environ.get(KEEP_LAST_ENV, keep_last))
+    offloader = Offloader(model, min_bytes=min_bytes)
+    model.__dict__[ATTR] = offloader
+    for i, b in enumerate(blocks):
+        _wrap(b, offloader, blocks[i + 1 :], keep_last)
+        b.__dict__[ATTR] = offloader
+    return (
+        f"activation_offload: {len(blocks)} blocks' saved tensors of >= {min_bytes / 2**20:g} MiB to page-locked "
+        f"host memory when checkpointed (not the last {keep_last}), reloaded one block ahead in backward"
+    )
+
+
+def offloader_of(model: nn.Module) -> Offloader | None:
+    return model.__dict__.get(ATTR)
+
+
+def remove(model: nn.Module) -> bool:
+    """Forget the offloader (compile_blocks.remove drops the wrapped compiled calls)."""
+    found = model.__dict__.pop(ATTR, None) is not None
+    for b in model.modules():
+        b.__dict__.pop(ATTR, None)
+    return found
+
+
+# ---- the registry probe's pair ---------------------------------------------------------------------------------------
+
+
+def _region(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    h = torch.nn.functional.gelu(x @ w_up.t())
+    return x + torch.nn.functional.layer_norm(h @ w_down.t(), (x.shape[-1],))
+
+
+def reference_region(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """Two blocks' worth of work with their saved tensors left where they are."""
+    return _region(_region(x, w_up, w_down), w_up, w_down)
+
+
+def offloaded_region(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """The same, every saved tensor (threshold 0) through host memory, one group per call: the copies, the
+    streams, the reload order and the prefetch of the earlier group on this device."""
+    offloader = Offloader(min_bytes=0)
+    with offloader.group(x.device):
+        y = _region(x, w_up, w_down)
+    with offloader.group(x.device):
+        return _region(y, w_up, w_down)

@@ -1,0 +1,191 @@
+"""activation_offload: a checkpointed block's saved tensors through host memory and back, bit-exact.
+
+On the CPU the "host" copies are plain CPU copies without streams: what these tests check is which tensors go,
+that each comes back to the slot it left and with its strides, the group chain that reloads one block ahead, and
+that sd-scripts' compiled blocks give the same gradients with it. The streams and page-locked memory are checked by
+the registry probe and tests/gpu on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux_kernels import activation_offload as ao
+from flux_kernels import compile_blocks, registry
+from flux_kernels import selective_checkpoint as sac
+from flux_kernels.patch import KernelError
+from tests.conftest import tiny_flux, tiny_flux_forward
+
+
+def test_the_probe_pair_agrees_and_auto_leaves_it_out():
+    spec = registry.REGISTRY["activation_offload"]
+    assert registry.probe(spec, "cpu").ok
+    assert not spec.in_auto
+    assert "activation_offload" not in registry.select("auto", "cpu").installed
+    with pytest.raises(KernelError, match="cannot run on"):
+        registry.select("activation_offload", "cpu")  # named on a CPU: an error naming why
+
+
+def test_a_broken_reload_is_rejected_by_the_probe(monkeypatch):
+    """The probe is what stands between a wrong copy and training: slots swapped on reload must fail it."""
+    original = ao.Offloader._reload
+
+    def swapped(self, g):
+        original(self, g)
+        if len(g.back) > 1:
+            g.back[0], g.back[-1] = g.back[-1], g.back[0]
+
+    monkeypatch.setattr(ao.Offloader, "_reload", swapped)
+    spec = registry.REGISTRY["activation_offload"]
+    result = registry.probe(spec, "cpu")
+    assert not result.ok, result
+
+
+def _random(*shape):
+    return torch.randn(*shape) + 0.5
+
+
+def test_what_goes_to_the_host_and_what_stays():
+    weight = torch.nn.Parameter(_random(64, 64))
+    model = torch.nn.Linear(64, 64)
+    off = ao.Offloader(model, min_bytes=1024)
+    with off.group(torch.device("cpu")):
+        pass  # a new forward: the model's storages are counted frozen
+    big, small = _random(16, 64), _random(4, 4)
+    assert off.offloads(big)
+    assert not off.offloads(small)  # under min_bytes
+    assert not off.offloads(weight)  # a parameter
+    assert not off.offloads(model.weight.t())  # a view of a model's weight: same storage
+    assert not off.offloads(_random(16, 128)[:, ::2])  # not dense
+    assert off.offloads(_random(64, 16).t())  # dense, transposed: comes back with its strides
+
+
+def test_each_tensor_comes_back_to_its_slot_with_its_strides_and_the_earlier_group_is_prefetched():
+    off = ao.Offloader(min_bytes=0)
+    cpu = torch.device("cpu")
+    a, b, c = _random(8, 16), _random(16, 8).t(), _random(3, 5)
+    with off.group(cpu):
+        pa, pb = off.pack(off._last(), a), off.pack(off._last(), b)
+    with off.group(cpu):
+        pc = off.pack(off._last(), c)
+    assert off.step_tensors == 3 and off.step_bytes == sum(t.numel() * 4 for t in (a, b, c))
+    assert pc.group.prev() is pa.group and pa.group.prev() is None
+    got_c = off.unpack(pc)  # backward: the last group first, which starts the one before it
+    assert pa.group.loading
+    got_b, got_a = off.unpack(pb), off.unpack(pa)
+    for got, want in ((got_a, a), (got_b, b), (got_c, c)):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+        assert got.data_ptr() != want.data_ptr()  # a copy back, not the original
+    assert sum(len(v) for v in off.pool.values()) == 3  # every host buffer free for the next step
+    with off.group(cpu):  # the next forward: a new chain, the buffers reused
+        pa2 = off.pack(off._last(), _random(8, 16))
+    assert pa2.group.prev() is None and off.step_tensors == 1
+    assert sum(len(v) for v in off.pool.values()) == 2
+
+
+def _model(fm, offload: bool, keep_last: int = 0):
+    model = tiny_flux(fm).train()
+    model.enable_gradient_checkpointing()
+    sac.install(model)
+    compile_blocks.install(model)
+    if offload:
+        assert "2 blocks" in ao.install(model, min_bytes=0, keep_last=keep_last)
+    return model
+
+
+def _grads(model):
+    torch.manual_seed(0)  # tiny_flux_forward's timestep comes from the global generator
+    out = tiny_flux_forward(model, img_tokens=64, txt_tokens=16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [out.detach(), *torch.autograd.grad(out.square().mean(), params)]
+
+
+def test_sd_scripts_compiled_blocks_give_the_same_gradients_with_their_saved_tensors_offloaded(
+    fm, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    plain = _model(fm, offload=False)
+    try:
+        want = _grads(plain)
+        model = _model(fm, offload=True)
+        off = ao.offloader_of(model)
+        packed = []
+        monkeypatch.setattr(off, "pack", lambda g, t, pack=off.pack: packed.append(r := pack(g, t)) or r)
+        got = _grads(model)
+        again = _grads(model)  # a second step reuses the host buffers
+    finally:
+        for m in (plain, locals().get("model")):
+            if m is not None:
+                sac.remove(m)
+                ao.remove(m)
+                compile_blocks.remove(m)
+        torch._dynamo.reset()
+    assert len(got) == len(want) > 40
+    for g, g2, w in zip(got, again, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g2, w, rtol=1e-5, atol=1e-6)
+    offloaded = [p for p in packed if isinstance(p, ao.Packed)]
+    groups = {id(p.group) for p in offloaded}
+    assert len(groups) == 4  # both blocks, both steps: the compiled blocks' saved tensors pass through the hooks
+    assert off.step_tensors >= 4 and off.host_bytes > 0
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = [p for p in packed if isinstance(p, torch.Tensor)]
+    assert any(k.untyped_storage().data_ptr() in weights for k in kept)  # the weights were saved, and stayed
+
+
+def test_the_last_checkpointed_block_keeps_its_tensors_and_unchecked_blocks_are_left_alone(fm, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    model = _model(fm, offload=True, keep_last=1)
+    off = ao.offloader_of(model)
+    try:
+        _grads(model)
+        one_block = off.step_tensors
+        model.single_blocks[0].gradient_checkpointing = False  # the double block is now the last checkpointed one
+        _grads(model)
+        none = off.step_tensors
+    finally:
+        sac.remove(model)
+        ao.remove(model)
+        compile_blocks.remove(model)
+        torch._dynamo.reset()
+    assert one_block > 0
+    assert none == 0
+
+
+def test_install_needs_compiled_blocks_and_refuses_block_swap(fm):
+    model = tiny_flux(fm)
+    with pytest.raises(KernelError, match="needs compile_blocks"):
+        ao.install(model)
+    model.blocks_to_swap = 2
+    with pytest.raises(KernelError, match="block swap"):
+        ao.install(model)
+
+
+def test_the_run_logs_what_a_step_offloads_and_tensorboard_gets_it_every_step(tmp_path, caplog):
+    import logging
+
+    from flux_trainer.metrics.health import LossGuard, SlowdownDetector
+    from flux_trainer.metrics.step import StepMetrics
+    from flux_trainer.sdscripts.hooks import OFFLOAD_REPORTED_AT, RunHooks
+    from flux_trainer.sdscripts.runner import RunnerSpec
+
+    model = torch.nn.Linear(4, 4)
+    off = ao.Offloader(model, min_bytes=0)
+    model.__dict__[ao.ATTR] = off
+    with off.group(torch.device("cpu")):
+        off.pack(off._last(), _random(256, 1024))  # 1 MiB
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    h._unet, h.kernels_installed = model, ["compile_blocks", "activation_offload"]
+    h.metrics = StepMetrics("cpu", flops_per_step=1e12, images_per_step=1, nvml=None)
+    h.metrics.start()
+    h.loss_guard, h.slowdown = LossGuard(patience=3), SlowdownDetector(nvml=None)
+    with caplog.at_level(logging.INFO, logger="flux_trainer.runner"):
+        h.step_start()
+        assert h.step_end(None, {}, 1)["memory/offloaded_gib"] == pytest.approx(1 / 1024)
+        assert "activation_offload" not in caplog.text
+        h.step_end(None, {}, OFFLOAD_REPORTED_AT)
+    assert "activation_offload: 1 saved tensors, 0.00 GiB a step to host memory and back (0.00 GiB" in caplog.text
+    h.kernels_installed = ["compile_blocks"]
+    assert "memory/offloaded_gib" not in h.step_end(None, {}, 3)
