@@ -25,6 +25,9 @@ that first: `auto` measures the first step without it, counts what it keeps per 
 states (two hidden-sized tensors per token: the attention output and one matmul output), turns it on for as many
 checkpointed blocks as the room holds and, only if it holds all of them, un-checkpoints blocks with what is left
 (each then costs its activations less what it kept selectively).
+With `activation_offload` as well, what checkpointed blocks keep waits in host memory, so every checkpointed
+block keeps its selective outputs and the whole room goes to un-checkpointing blocks (each at its full activations:
+an un-checkpointed block is not offloaded).
 
 An explicit count `N` un-checkpoints that many blocks (in the same order) from the first step, without measuring,
 and leaves selective checkpointing, where installed, on for the others. `0` checkpoints every block, as sd-scripts
@@ -142,6 +145,7 @@ class CheckpointFit:
     _peak_scale: float | None = None  # the smallest token scale seen: the step's largest batch set its peak
     per_block_selective: dict[str, int] = field(default_factory=dict)  # what that keeps per block, by kind
     _selective_installed: bool = False
+    _offloaded: bool = False  # activation_offload: checkpointed blocks keep their saved tensors in host memory
 
     def start(self, flux: Any) -> str | None:
         """At the first micro-step: apply a count, or un-checkpoint the two blocks `auto` measures. Returns a log
@@ -151,6 +155,7 @@ class CheckpointFit:
         if not self._order:
             return None
         self._selective_installed = any(selective_on(b) for _, b in self._order)
+        self._offloaded = any(offloaded(b) for _, b in self._order)
         if self.setting != AUTO:
             self._keep(int(self.setting))
             return self._say(f"memory.checkpoint_skip={self.setting}")
@@ -230,7 +235,11 @@ class CheckpointFit:
         rest = self._order[self.kept :]
         sizes = [self.per_block.get(kind, 0) for kind, _ in rest]
         selective = [self.per_block_selective.get(kind, 0) for kind, _ in rest] if self.per_block_selective else []
-        n_selective = blocks_that_fit(room, selective) if selective and room > 0 else 0
+        if self._offloaded and selective:  # what they keep waits in host memory: every checkpointed block keeps it
+            selective = [0] * len(selective)
+            n_selective = len(selective)
+        else:
+            n_selective = blocks_that_fit(room, selective) if selective and room > 0 else 0
         more = 0
         if room < 0 or (self.per_block and n_selective == len(selective)):
             # no room: measured blocks go back to checkpointing. Room for every checkpointed block's selective
@@ -239,7 +248,7 @@ class CheckpointFit:
             less = [a - b if a > b else 0 for a, b in zip(sizes, selective or [0] * len(sizes), strict=True)]
             more = blocks_that_fit(left, less)
         self._keep(self.kept + more)
-        self._select(n_selective - max(0, more))
+        self._select(self.total if self._offloaded else n_selective - max(0, more))
         measured = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(self.per_block.items()))
         if self.per_block_selective:
             measured += "; selectively " + ", ".join(
@@ -289,6 +298,12 @@ def hidden_states(kind: str, args: tuple, kwargs: dict) -> list:
     text and image tokens in one tensor, by position or by name (None where absent)."""
     names = ("img", "txt") if kind == "double" else ("x",)
     return [kwargs.get(n, args[i] if i < len(args) else None) for i, n in enumerate(names)]
+
+
+def offloaded(block: Any) -> bool:
+    from flux_kernels.activation_offload import ATTR
+
+    return ATTR in getattr(block, "__dict__", {})
 
 
 def selective_on(block: Any) -> bool:

@@ -217,6 +217,32 @@ def test_auto_spends_the_room_on_selective_checkpointing_first(room, kept, chose
     assert f"{7 - kept} of 7 blocks, {len(chosen)} of them selectively" in line
 
 
+@pytest.mark.parametrize(
+    ("room", "kept", "chosen"),
+    [
+        (3 * SEL + SEL // 2, 2, ["d0", "d1", "s0", "s1", "s2"]),  # no room for a whole block; selective costs none
+        (2 * 10 * SEL, 4, ["d0", "d1", "s0"]),  # 2 whole blocks at their full 10 SEL (nothing kept on the card)
+        (-10 * SEL - 1, 0, ["d0", "d1", "d2", "s0", "s1", "s2", "s3"]),  # no room: the measured blocks go back
+    ],
+)
+def test_with_activation_offload_every_checkpointed_block_keeps_its_selective_outputs_off_the_card(room, kept, chosen):
+    """What checkpointed blocks keep waits in host memory: the room is spent on un-checkpointing whole blocks, each at
+    its full activations (an un-checkpointed block keeps them on the card)."""
+    from flux_kernels.activation_offload import ATTR
+
+    m = selective_model()
+    for b in [*m.double_blocks, *m.single_blocks]:
+        b.__dict__[ATTR] = object()
+    total = 2**30
+    mem = FakeMemory({"double": 10 * SEL, "single": 10 * SEL}, peak=0, free=0, total=total, reserved=total)
+    mem.peak = int(total * (1 - MARGIN)) - room
+    fit = CheckpointFit("auto", memory=mem)
+    fit.start(m)
+    token_step(m, mem, 4096)
+    line = fit.decide()
+    assert fit.kept == kept and selective(m) == chosen, line
+
+
 def test_a_count_or_a_blocked_auto_leaves_selective_checkpointing_on_the_checkpointed_blocks():
     m = selective_model()
     assert "on 5 of 7 blocks, 5 of them selectively, 2 keep" in CheckpointFit(2).start(m)
