@@ -11,6 +11,7 @@ from typing import Any
 log = logging.getLogger("flux_trainer.runner")
 RANK_REDUCE_EVERY = 25  # steps between the max-over-ranks VRAM collective (one gather + one host copy)
 COMPILE_CHECKED_AT = 1  # optimizer step after which the compiled blocks' forward and backward exist
+OFFLOAD_REPORTED_AT = 2  # optimizer step after which activation_offload carries checkpoint_skip=auto's plan
 GRAPHS_CHECKED_AT = 3  # optimizer step after which the compiled blocks have been recorded as CUDA graphs
 RUN_TEXT_FILES = {"config": "config.yaml", "command": "command.txt", "environment": "env.json"}
 
@@ -159,6 +160,7 @@ class RunHooks:
             self.report_cudagraph_skips()
         if self.fit is not None:
             self.fit.note_peak()  # before the step metrics reset PyTorch's peak
+        offloaded = self.offloaded(global_step)
         if self.metrics is None:
             return {}
         if not self._texts_written:
@@ -171,6 +173,7 @@ class RunHooks:
             tags["memory/checkpointed_blocks"] = float(self.fit.total - self.fit.kept)
             if "selective_checkpoint" in self.kernels_installed:
                 tags["memory/selective_blocks"] = float(self.fit.selective)
+        tags.update(offloaded)
         if "loss/current" in logs and (msg := self.loss_guard.check(float(logs["loss/current"]), global_step)):
             log.error(msg)
             raise NonFiniteLoss(msg + f"; the last saved state in {self.run_dir} is intact (resume=auto)")
@@ -180,6 +183,25 @@ class RunHooks:
             self._retries_warned = True
             log.warning(alloc_retries_message(tags["vram/alloc_retries"], global_step, self.fit))
         return tags
+
+    def offloaded(self, global_step: int) -> dict[str, float]:
+        """activation_offload's step: `memory/offloaded_gib` (what the last forward sent to host memory), and after
+        the second step (the first with selective checkpointing's plan) a log line with the host memory it holds."""
+        if "activation_offload" not in self.kernels_installed or self._unet is None:
+            return {}
+        from flux_kernels.activation_offload import offloader_of
+
+        off = offloader_of(self._unet)
+        if off is None:
+            return {}
+        if global_step == OFFLOAD_REPORTED_AT:
+            log.info(
+                "activation_offload: %d saved tensors, %.2f GiB a step to host memory and back (%.2f GiB page-locked)",
+                off.step_tensors,
+                off.step_bytes / 2**30,
+                off.host_bytes / 2**30,
+            )
+        return {"memory/offloaded_gib": off.step_bytes / 2**30}
 
     def report_cudagraph_skips(self) -> None:
         """By now every block has been recorded (the first call of a compiled graph runs it plain, the second
