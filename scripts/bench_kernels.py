@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -536,6 +537,54 @@ def bench_l2(dev, dtype, s, warmup, reps) -> list[dict]:
     return rows
 
 
+def bench_offload(dev, warmup: int, reps: int, tiny: bool) -> list[dict]:
+    """The host link activation_offload uses: page-locked copies of FLUX-sized saved tensors (27 MiB: [4608, 3072]
+    bf16) to the host, back, and both at once on two streams (as the offload's streams run at the turn from forward
+    to backward), in GB/s from CUDA events over a batch of copies."""
+    n, numel = (4, 4096) if tiny else (32, 4608 * 3072)
+    gpu = [torch.randn(numel, device=dev).to(torch.bfloat16) for _ in range(n)]
+    host = [torch.empty(numel, dtype=torch.bfloat16, pin_memory=True) for _ in range(n)]
+    gpu2 = [torch.empty_like(g) for g in gpu]
+    host2 = [torch.empty_like(h, pin_memory=True) for h in host]
+    out, back = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    moved = n * numel * 2
+
+    def to_host():
+        with torch.cuda.stream(out):
+            for g, h in zip(gpu, host, strict=True):
+                h.copy_(g, non_blocking=True)
+
+    def to_gpu():
+        with torch.cuda.stream(back):
+            for g, h in zip(gpu2, host2, strict=True):
+                g.copy_(h, non_blocking=True)
+
+    def timed(*fns) -> float:
+        times = []
+        for i in range(warmup + reps):
+            torch.cuda.synchronize(dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for s in (out, back):
+                s.wait_event(start)
+            for fn in fns:
+                fn()
+            for s in (out, back):
+                torch.cuda.current_stream(dev).wait_stream(s)
+            end.record()
+            torch.cuda.synchronize(dev)
+            if i >= warmup:
+                times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    rows = []
+    for name, fns in (("to host", (to_host,)), ("to GPU", (to_gpu,)), ("both at once", (to_host, to_gpu))):
+        t = timed(*fns)
+        rows.append({"name": name, "tensors": n, "mib_each": numel * 2 / 2**20, "ms": t * 1e3,
+                     "gbps_each_way": moved / t / 1e9})  # fmt: skip
+    return rows
+
+
 def print_table(title: str, rows: list[dict], cols: list[str]) -> None:
     print(f"\n{title}")
     name_w = max([4, *(len(r["name"]) for r in rows)])
@@ -568,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora", action="store_true", help="also time a FLUX Linear's LoRA: as sd-scripts has it, folded")
     ap.add_argument("--prodigy", action="store_true", help="also time one Prodigy step over FLUX's LoRA tensors")
     ap.add_argument("--l2", action="store_true", help="also time compiled blocks with an L2 persistence window")
+    ap.add_argument("--offload", action="store_true", help="also time activation_offload's page-locked copies")
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke test of this script)")
     ns = ap.parse_args(argv)
 
@@ -662,6 +712,14 @@ def main(argv: list[str] | None = None) -> int:
             result["l2"] = bench_l2(dev, dtype, s, ns.warmup, ns.reps)
             print_table("compiled blocks, forward+backward, with an L2 persistence window (vs_none: GPU time / none)",
                         result["l2"], ["l2_mib", "window_mib", "ms", "gpu_ms", "vs_none"])  # fmt: skip
+    if ns.offload:
+        if dev.type != "cuda":
+            result["offload"] = {"skipped": "page-locked copies need a CUDA device"}
+            print("\noffload skipped: page-locked copies need a CUDA device")
+        else:
+            result["offload"] = bench_offload(dev, ns.warmup, ns.reps, ns.tiny)
+            print_table("activation_offload's host link: page-locked copies, GB/s each way (CUDA events)",
+                        result["offload"], ["tensors", "mib_each", "ms", "gbps_each_way"])  # fmt: skip
     if ns.out:
         ns.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"\nwrote {ns.out}", file=sys.stderr)
