@@ -12,13 +12,15 @@ gated_modulate (Triton, forward and backward), fp8_matmul (frozen Linears in fp8
 (the LoRA's up-projection inside the frozen GEMM), lora_grad_norms (sd-scripts' per-step LoRA gradient norms from
 rank-sized factors), prodigy_step (prodigyopt's step with one host read per step; installs into the optimizer),
 selective_checkpoint (checkpointed blocks keep their attention and wide-input matmul outputs), compile_blocks
-(regional torch.compile). `auto` = attention + fp8_matmul (only on an fp8 base) + lora_fold (wide layers, without
-checkpointing) + lora_grad_norms (where a LoRA is applied) + prodigy_step (when the optimizer is Prodigy) +
+(regional torch.compile), activation_offload (what checkpointed compiled blocks keep for backward waits in
+page-locked host memory; opt-in). `auto` = attention + fp8_matmul (only on an fp8 base) + lora_fold (wide layers,
+without checkpointing) + lora_grad_norms (where a LoRA is applied) + prodigy_step (when the optimizer is Prodigy) +
 selective_checkpoint (where blocks are checkpointed) + compile_blocks; the Triton ones are opt-in (registry
 `in_auto`); "auto,name,-other" adds to and takes from auto (`request`). Modules: `reference` (sd-scripts' math),
 `fast` (Triton behind autograd.Function), `fp8` (fp8 matmuls as custom ops; `tl_transpose` its weight transpose),
-`lora_fold`, `lora_norms`, `selective_checkpoint`, `compile_blocks`, `attention` (backend probe and choice),
-`registry` (KernelSpec, probe, select), `patch` (installing into a built model), `device` (what device is this).
+`lora_fold`, `lora_norms`, `selective_checkpoint`, `compile_blocks`, `activation_offload`, `attention` (backend
+probe and choice), `registry` (KernelSpec, probe, select), `patch` (installing into a built model), `device` (what
+device is this).
 """
 
 _EXPORTS = {

@@ -8,24 +8,24 @@ outputs at 1024². Offloaded, that memory is free on the card, so selective chec
 
 How: the compiled block (`compile_blocks`) is one autograd function whose saved tensors pass through
 torch.autograd.graph.saved_tensors_hooks; `install` calls each checkpointed block inside this module's hooks.
-  * forward (pack): each saved tensor of at least MIN_BYTES that is not one of the model's parameters or buffers
-    (the frozen weights stay where they are) is copied into a page-locked host buffer on a side stream, after the
-    work that produced it; the caching allocator is told (record_stream) not to reuse its memory before the copy
-    is done, and the GPU tensor is dropped.
-  * backward (unpack): the first unpack of a block's tensors starts their copies back (unless already started),
-    makes the compute stream wait for them, and starts the copies of the block before it (the next one backward
-    reaches), so a block's reload overlaps the backward of the block after it.
-All copies go through one side stream, in the order they are issued, so a host buffer handed back to the pool after
-its reload is not written again before that reload has read it. Host buffers are kept in a pool by shape, stride
-and dtype and reused every step (the log says how much host memory they hold). The copies are bit-exact: nothing
-changes numerically.
+  * forward: each saved tensor of at least MIN_BYTES that is not one of the model's parameters or buffers (the
+    frozen weights stay where they are) is noted; when the block call returns, the noted tensors are copied into
+    page-locked host buffers on a side stream, after the work that produced them. The caching allocator is told
+    (record_stream) not to reuse their memory before the copies are done, and the GPU tensors are dropped.
+  * backward: the first access to a block's tensors starts their copies back on a second stream (after that
+    block's copies to the host), unless already started, makes the compute stream wait for them, and starts the
+    copies of the block before it (the next one backward reaches), so a block's reload overlaps the backward of
+    the block after it.
+Host buffers are kept in a pool by shape, stride and dtype and reused every step (the log says how much host memory
+they hold); a buffer's next copy to the host waits on the GPU for its last reload. The copies are bit-exact:
+nothing changes numerically.
 
 Not offloaded: tensors under MIN_BYTES (modulation vectors, RoPE tables, LoRA down-projections, the attention's
 log-sum-exp: little memory, and each copy has a fixed cost), non-dense views, the last KEEP_LAST checkpointed
 blocks' tensors (backward needs them first, while the copies of the forward's last blocks are still queued: on the
 H200 the copies each way run at ~55 GB/s, 4.6 GiB a step at 1024² takes ~90 ms, about a forward's time), and
-blocks that are not checkpointed (their
-activations are ~10x larger: the copies would take longer than the recompute they replace). Needs `compile_blocks`
+blocks that are not checkpointed (their activations are ~10x larger: the copies would take longer than the
+recompute they replace). Needs `compile_blocks`
 (under sd-scripts' eager checkpointing the kept tensors never pass through saved-tensor hooks). Nothing here
 imports sd-scripts.
 """
