@@ -26,7 +26,9 @@ blocks' tensors (backward needs them first, while the copies of the forward's la
 H200 the copies each way run at ~55 GB/s, 4.6 GiB a step at 1024² takes ~90 ms, about a forward's time), and
 blocks that are not checkpointed (their activations are ~10x larger: the copies would take longer than the
 recompute they replace). Needs `compile_blocks`
-(under sd-scripts' eager checkpointing the kept tensors never pass through saved-tensor hooks). Nothing here
+(under sd-scripts' eager checkpointing the kept tensors never pass through saved-tensor hooks), and not with its
+CUDA graphs: the losses turned NaN from the first replayed step on the H200 (the replays write into the graph pool
+that the copies read; flux-train refuses the two together). Nothing here
 imports sd-scripts.
 """
 

@@ -29,6 +29,7 @@ from flux_trainer.sdscripts import hooks as hooks_mod
         (["memory=vram80", "train.gradient_accumulation_steps=2"], 1, True, False),
         (["memory=vram48", "kernels.cuda_graphs=true"], 1, True, True),
         (["memory=vram80", "kernels.cuda_graphs=false"], 1, True, False),
+        (["memory=vram80", "kernels.set='auto,activation_offload'"], 1, True, True),  # nothing checkpointed to offload
     ],
 )
 def test_decision(compose, overrides, processes, gpu, want):
@@ -43,6 +44,7 @@ def test_decision(compose, overrides, processes, gpu, want):
         (["kernels=off"], 1, "kernels=off"),
         (["kernels.set='auto,-compile_blocks'"], 1, "kernels.set=auto,-compile_blocks compiles no blocks"),
         ([], 2, "2 processes"),
+        (["memory=vram24", "kernels.set='auto,activation_offload'"], 1, "activation_offload copies"),
     ],
 )
 def test_asking_where_graphs_cannot_run_is_an_error_naming_why(compose, overrides, processes, words):
