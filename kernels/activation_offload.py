@@ -89,6 +89,9 @@ class Offloader:
         self._unpacked = True  # an unpack happened since the last group: the next group starts a new forward
         self._frozen: set[int] = set()
         self._frozen_from: list[tuple[Tensor, int]] = []  # a few weights and where they were: moved means recount
+        self.blocks: list[nn.Module] = []  # the model's blocks in forward order (install sets them)
+        self.keep_last = 0
+        self.kept: set[int] = set()  # ids of the blocks whose tensors stay on the GPU this forward
 
     # ---- the context a block call runs in --------------------------------------------------------------------------
 
@@ -98,6 +101,8 @@ class Offloader:
             self._unpacked = False
             self.step_bytes = self.step_tensors = 0
             self._last = lambda: None
+            checkpointed = [b for b in self.blocks if getattr(b, "gradient_checkpointing", False)]
+            self.kept = {id(b) for b in checkpointed[-self.keep_last :]} if self.keep_last else set()
             # the weights may have moved since the last forward (sd-scripts moves the model after install)
             if not self._frozen_from or any(t.untyped_storage().data_ptr() != p for t, p in self._frozen_from):
                 self._frozen = self._frozen_storages()
@@ -250,7 +255,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return double + single
 
 
-def _wrap(block: nn.Module, offloader: Offloader, later: list[nn.Module], keep_last: int) -> None:
+def _wrap(block: nn.Module, offloader: Offloader) -> None:
     """Call the compiled block inside the offloader's hooks when it is checkpointed and training."""
     compiled = block._compiled_call_impl
 
@@ -260,7 +265,7 @@ def _wrap(block: nn.Module, offloader: Offloader, later: list[nn.Module], keep_l
         offloader.block_call()
         if not getattr(block, "gradient_checkpointing", False):
             return compiled(*args, **kwargs)
-        if sum(bool(getattr(b, "gradient_checkpointing", False)) for b in later) < keep_last:
+        if id(block) in offloader.kept:
             return compiled(*args, **kwargs)
         device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
         if device is None:
@@ -290,8 +295,9 @@ def install(model: nn.Module, min_bytes: int = MIN_BYTES, keep_last: int = KEEP_
     keep_last = int(os.environ.get(KEEP_LAST_ENV, keep_last))
     offloader = Offloader(model, min_bytes=min_bytes)
     model.__dict__[ATTR] = offloader
-    for i, b in enumerate(blocks):
-        _wrap(b, offloader, blocks[i + 1 :], keep_last)
+    offloader.blocks, offloader.keep_last = blocks, keep_last
+    for b in blocks:
+        _wrap(b, offloader)
         b.__dict__[ATTR] = offloader
     return (
         f"activation_offload: {len(blocks)} blocks' saved tensors of >= {min_bytes / 2**20:g} MiB to page-locked "
