@@ -12,6 +12,13 @@ torch.autograd.graph.saved_tensors_hooks; `install` calls each checkpointed bloc
     frozen weights stay where they are) is noted; when the block call returns, the noted tensors are copied into
     page-locked host buffers on a side stream, after the work that produced them. The caching allocator is told
     (record_stream) not to reuse their memory before the copies are done, and the GPU tensors are dropped.
+    With CUDA graphs (`graphs=True`) that is not enough: the blocks' outputs live in the graphs' own memory pool,
+    which a later block's replay writes without asking the allocator. There the GPU tensors are held for HOLD more
+    block calls, then the compute stream waits for their copies and they are dropped: a replay can reuse their
+    memory only after the copies, and which tensors are alive at each replay is the same every step (as the
+    graphs' recording expects). Their backward graphs also take what the blocks saved at fixed addresses (a new
+    address means a new recording, ~5 s a step at full size on the H200), so the reloads there land in RING sets
+    of GPU buffers, one per group in turn, kept for the run.
   * backward: the first access to a block's tensors starts their copies back on a second stream (after that
     block's copies to the host), unless already started, makes the compute stream wait for them, and starts the
     copies of the block before it (the next one backward reaches), so a block's reload overlaps the backward of
@@ -23,13 +30,11 @@ nothing changes numerically.
 Not offloaded: tensors under MIN_BYTES (modulation vectors, RoPE tables, LoRA down-projections, the attention's
 log-sum-exp: little memory, and each copy has a fixed cost), non-dense views, the last KEEP_LAST checkpointed
 blocks' tensors (backward needs them first, while the copies of the forward's last blocks are still queued: on the
-H200 the copies each way run at ~55 GB/s, 4.6 GiB a step at 1024² takes ~90 ms, about a forward's time), and
-blocks that are not checkpointed (their activations are ~10x larger: the copies would take longer than the
-recompute they replace). Needs `compile_blocks`
-(under sd-scripts' eager checkpointing the kept tensors never pass through saved-tensor hooks), and not with its
-CUDA graphs: the losses turned NaN from the first replayed step on the H200 (the replays write into the graph pool
-that the copies read; flux-train refuses the two together). Nothing here
-imports sd-scripts.
+H200 the copies each way run at ~55 GB/s, 4.6 GiB a step at 1024² takes ~90 ms, about a forward's time; with CUDA
+graphs the copies cannot queue up, since the compute stream waits for them HOLD blocks later, and the CPU launches
+nothing per copy, so there MIN_BYTES_GRAPHS and KEEP_LAST_GRAPHS apply), and blocks that are not checkpointed (their activations are ~10x larger: the copies would take longer than the
+recompute they replace). Needs `compile_blocks` (under sd-scripts' eager checkpointing the kept tensors never pass
+through saved-tensor hooks). Nothing here imports sd-scripts.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,10 +52,24 @@ from torch import Tensor, nn
 
 ATTR = "_flux_activation_offload"  # on a block: the Offloader its checkpointed calls go through
 MIN_BYTES = 4 * 2**20  # smaller saved tensors stay on the GPU
+# with CUDA graphs the copies cost the CPU nothing per step, so the double blocks' 3 MiB text-stream tensors go too
+# (H200, fp8 tier: card peak 17.0 against 17.2 GiB with 4 MiB, 0.394 s/step both)
+MIN_BYTES_GRAPHS = 2**20
 # the last checkpointed blocks in forward order keep their tensors on the GPU: backward needs them first, while the
 # copies to the host still queue behind the forward (H200, fp8 tier: 1 kept 0.566 s/step, 8 kept 0.486)
 KEEP_LAST = 8
+# with CUDA graphs the compute stream waits for each group's copies HOLD block calls later, so they never queue up:
+# keeping blocks bought nothing there (H200, fp8 tier: 0.389 s/step with 8, 2 or 0 kept; card peak 17.8 / 17.4 / 17.2)
+KEEP_LAST_GRAPHS = 0
 KEEP_LAST_ENV = "FLUX_KERNELS_OFFLOAD_KEEP_LAST"  # another count, for measuring the trade
+MIN_BYTES_ENV = "FLUX_KERNELS_OFFLOAD_MIN_MIB"  # another threshold (MiB), likewise
+# with CUDA graphs: block calls an offloaded group's GPU tensors outlive it, so their copies (~1.5 ms a block on the
+# H200) run beside the next blocks' compute before the compute stream waits for them
+HOLD = 2
+# with CUDA graphs: sets of reload buffers, used by the groups in turn. Two suffice: a group's reload starts when
+# backward reaches the group after it, after the compute stream's work so far, which includes the backward of the
+# group that used the same set before
+RING = 2
 
 
 @dataclass(eq=False)
@@ -58,7 +78,9 @@ class Group:
 
     device: torch.device
     prev: Callable[[], Group | None]  # the group saved before this one in the same forward (a weak reference)
+    index: int = 0  # its place in the forward's groups
     pending: list[Tensor] = field(default_factory=list)  # saved during the call, copied out when it returns
+    gpu: list[Tensor] = field(default_factory=list)  # with CUDA graphs: the copied GPU tensors, until released
     host: list[Tensor] = field(default_factory=list)
     back: list[Tensor] = field(default_factory=list)  # the reloaded GPU tensors, once the reload started
     saved: Any = None  # the offload stream's event after this group's copies to the host
@@ -75,9 +97,11 @@ class Packed:
 class Offloader:
     """The saved-tensor hooks of one model's checkpointed blocks (see the module docstring)."""
 
-    def __init__(self, model: nn.Module | None = None, min_bytes: int = MIN_BYTES):
+    def __init__(self, model: nn.Module | None = None, min_bytes: int = MIN_BYTES, hold: int = 0):
         self.model = weakref.ref(model) if model is not None else (lambda: None)
         self.min_bytes = min_bytes
+        self.hold = hold  # > 0 (CUDA graphs): copied GPU tensors live this many more block calls (see above)
+        self._held: deque[Group] = deque()  # groups whose GPU tensors are held, oldest first
         # host buffers free for reuse, by (shape, stride, dtype), each with the event after which its last reload
         # had read it (None on the CPU)
         self.pool: dict[tuple, list[tuple[Tensor, Any]]] = {}
@@ -92,14 +116,17 @@ class Offloader:
         self.blocks: list[nn.Module] = []  # the model's blocks in forward order (install sets them)
         self.keep_last = 0
         self.kept: set[int] = set()  # ids of the blocks whose tensors stay on the GPU this forward
+        self._groups = 0  # groups so far this forward
+        self._ring: dict[tuple, Tensor] = {}  # CUDA graphs: the reload buffers, by (set, slot, shape, stride, dtype)
 
     # ---- the context a block call runs in --------------------------------------------------------------------------
 
     def block_call(self) -> None:
         """A training block call (offloaded or not): the first after a backward starts a new forward."""
+        self._release(keep=self.hold)
         if self._unpacked:
             self._unpacked = False
-            self.step_bytes = self.step_tensors = 0
+            self.step_bytes = self.step_tensors = self._groups = 0
             self._last = lambda: None
             checkpointed = [b for b in self.blocks if getattr(b, "gradient_checkpointing", False)]
             self.kept = {id(b) for b in checkpointed[-self.keep_last :]} if self.keep_last else set()
@@ -111,7 +138,8 @@ class Offloader:
     def group(self, device: torch.device) -> Iterator[None]:
         """Tensors saved inside are offloaded as one group (one block call), copied out when the call returns."""
         self.block_call()
-        g = Group(torch.device(device), prev=self._last)
+        g = Group(torch.device(device), prev=self._last, index=self._groups)
+        self._groups += 1
         self._last = weakref.ref(g)
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(g, t), self.unpack):
@@ -148,6 +176,7 @@ class Offloader:
 
     def unpack(self, packed: Tensor | Packed) -> Tensor:
         self._unpacked = True
+        self._release(keep=0)
         if isinstance(packed, Tensor):
             return packed
         g = packed.group
@@ -182,12 +211,24 @@ class Offloader:
                     if read is not None:
                         out.wait_event(read)  # last step's reload of this buffer is done
                     h.copy_(t, non_blocking=True)
-                    t.record_stream(out)  # the allocator waits for the copy before reusing t's memory
+                    if not self.hold:
+                        t.record_stream(out)  # the allocator waits for the copy before reusing t's memory
                     g.host.append(h)
                 g.saved = torch.cuda.Event()
                 g.saved.record(out)
+            if self.hold:
+                g.gpu = pending
+                self._held.append(g)
         self.step_bytes += sum(t.numel() * t.element_size() for t in pending)
         self.step_tensors += len(pending)
+
+    def _release(self, keep: int) -> None:
+        """Drop the held GPU tensors of all but the `keep` newest groups, once the compute stream waits for their
+        copies to the host (CUDA graphs: nothing replayed after this point can overwrite them mid-copy)."""
+        while len(self._held) > keep:
+            g = self._held.popleft()
+            torch.cuda.current_stream(g.device).wait_event(g.saved)
+            g.gpu = []
 
     def _reload(self, g: Group) -> None:
         g.loading = True
@@ -198,7 +239,10 @@ class Offloader:
         else:
             back = streams[1]
             compute = torch.cuda.current_stream(g.device)
-            g.back = [torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=g.device) for h in g.host]
+            if self.hold:
+                g.back = [self._ring_buffer(g, slot, h) for slot, h in enumerate(g.host)]
+            else:
+                g.back = [torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=g.device) for h in g.host]
             back.wait_stream(compute)  # the new tensors' memory may still be in use by earlier compute work
             if g.saved is not None:
                 back.wait_event(g.saved)  # the copies to the host are done
@@ -207,11 +251,19 @@ class Offloader:
                     dst.copy_(h, non_blocking=True)
                 g.ready = read = torch.cuda.Event()
                 g.ready.record(back)
-            for dst in g.back:
-                dst.record_stream(back)  # written there: not reused before the copy, even if never read
+            if not self.hold:
+                for dst in g.back:
+                    dst.record_stream(back)  # written there: not reused before the copy, even if never read
         for h in g.host:  # free for the next step's copies, which wait for `read` first
             self.pool.setdefault(_key(h), []).append((h, read))
         g.host = []
+
+    def _ring_buffer(self, g: Group, slot: int, like: Tensor) -> Tensor:
+        """The GPU buffer a group's slot reloads into under CUDA graphs: the same one every step."""
+        key = (g.index % RING, slot, *_key(like))
+        if key not in self._ring:
+            self._ring[key] = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=g.device)
+        return self._ring[key]
 
     def _host_buffer(self, t: Tensor) -> tuple[Tensor, Any]:
         free = self.pool.get(_key(t))
@@ -276,9 +328,12 @@ def _wrap(block: nn.Module, offloader: Offloader) -> None:
     block._compiled_call_impl = call
 
 
-def install(model: nn.Module, min_bytes: int = MIN_BYTES, keep_last: int = KEEP_LAST, **_) -> str:
-    """Route the compiled blocks' checkpointed calls through one Offloader. Raises KernelError without compiled
-    blocks, and with block swap or CPU-offloaded checkpointing (which move the blocks' tensors themselves)."""
+def install(
+    model: nn.Module, min_bytes: int | None = None, keep_last: int | None = None, graphs: bool = False, **_
+) -> str:
+    """Route the compiled blocks' checkpointed calls through one Offloader (`graphs`: the compiled blocks replay
+    from CUDA graphs). Raises KernelError without compiled blocks, and with block swap or CPU-offloaded
+    checkpointing (which move the blocks' tensors themselves)."""
     from flux_kernels.patch import KernelError
 
     if getattr(model, "blocks_to_swap", None) or getattr(model, "cpu_offload_checkpointing", False):
@@ -292,8 +347,13 @@ def install(model: nn.Module, min_bytes: int = MIN_BYTES, keep_last: int = KEEP_
             "activation_offload: needs compile_blocks (a compiled block saves its tensors through saved-tensor "
             "hooks; sd-scripts' eager checkpointing does not); add compile_blocks or drop activation_offload"
         )
+    if keep_last is None:
+        keep_last = KEEP_LAST_GRAPHS if graphs else KEEP_LAST
+    if min_bytes is None:
+        min_bytes = MIN_BYTES_GRAPHS if graphs else MIN_BYTES
     keep_last = int(os.environ.get(KEEP_LAST_ENV, keep_last))
-    offloader = Offloader(model, min_bytes=min_bytes)
+    min_bytes = int(float(os.environ.get(MIN_BYTES_ENV, min_bytes / 2**20)) * 2**20)
+    offloader = Offloader(model, min_bytes=min_bytes, hold=HOLD if graphs else 0)
     model.__dict__[ATTR] = offloader
     offloader.blocks, offloader.keep_last = blocks, keep_last
     for b in blocks:
@@ -302,6 +362,7 @@ def install(model: nn.Module, min_bytes: int = MIN_BYTES, keep_last: int = KEEP_
     return (
         f"activation_offload: {len(blocks)} blocks' saved tensors of >= {min_bytes / 2**20:g} MiB to page-locked "
         f"host memory when checkpointed (not the last {keep_last}), reloaded one block ahead in backward"
+        + (f"; CUDA graphs: each block's tensors held {HOLD} block calls, until copied" if graphs else "")
     )
 
 

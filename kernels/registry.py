@@ -472,7 +472,7 @@ REGISTRY: dict[str, KernelSpec] = {
             reference=activation_offload.reference_region,
             fast=activation_offload.offloaded_region,
             example=offload_example,
-            in_auto=False,  # opt-in until measured side by side on the checkpointed tiers
+            in_auto=False,  # slower at a tier's own cap without CUDA graphs (README); kernels=offload adds them
         ),
     )
 }

@@ -260,11 +260,6 @@ def cuda_graph_blockers(cfg: DictConfig, processes: int, gpu: bool = True) -> li
         )
     if cfg.train.gradient_accumulation_steps > 1:
         blockers.append("train.gradient_accumulation_steps > 1: a replay would overwrite the gradients being summed")
-    if request.wants("activation_offload", in_auto=False) and cfg.memory.gradient_checkpointing:
-        blockers.append(
-            "activation_offload copies what the checkpointed blocks keep while graphs replay over it (NaN losses "
-            "from the first replayed step, measured on an H200): use one of them"
-        )
     if processes > 1:
         blockers.append(f"{processes} processes: not measured with multi-GPU training yet")
     return blockers

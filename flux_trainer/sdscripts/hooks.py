@@ -386,6 +386,7 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
         log.info("cuda graphs skipped: %s", why)
     if graphs:
         options["compile_blocks"] = {"mode": CUDA_GRAPHS_MODE}
+        options["activation_offload"] = {"graphs": True}  # its copies must not race the replays
     installed = patch.apply_kernels(unet, selection, options=options)
     if graphs and "compile_blocks" in installed:
         installed.append("cuda_graphs")

@@ -9,6 +9,8 @@ import importlib.util
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch._inductor import cudagraph_trees
 
 from flux_kernels import activation_offload as ao
 from flux_kernels import compile_blocks, patch, registry
@@ -79,3 +81,83 @@ def test_full_size_blocks_give_the_same_gradients_and_the_card_holds_less(fm, de
         a.numel() * a.element_size() for k in args.values() for a in k if torch.is_tensor(a) and off.offloads(a)
     )
     assert held_plain - held >= 0.9 * (off.step_bytes - inputs) > 0, (held_plain, held, off.step_bytes, inputs)
+
+
+def _chain(model, args: dict) -> torch.Tensor:
+    """Two double-block calls, then two single-block calls: four offloaded groups a step."""
+    d, s = model.double_blocks[0], model.single_blocks[0]
+    img, txt, vec, pe, mask = args["double"]
+    for _ in range(2):
+        img, txt = d(img, txt, vec, pe, mask)
+    x = torch.cat((txt, img), dim=1)
+    for _ in range(2):
+        x = s(x, vec, pe, mask)
+    return x
+
+
+def _graph_steps(model, args: dict, steps: int, records: list, recorded: list) -> list[list[torch.Tensor]]:
+    """Steps as training runs them under CUDA graphs (a new generation each); cloned, since a replay writes its
+    outputs where the last one did. `recorded` gets how many graphs each step recorded (`records` grows by one
+    per recording)."""
+    got = []
+    for _ in range(steps):
+        before = len(records)
+        torch.compiler.cudagraph_mark_step_begin()
+        out = _chain(model, args)
+        gen = torch.Generator().manual_seed(1)
+        gout = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+        grads = torch.autograd.grad(out, leaves(args["double"]), gout)
+        got.append([out.detach().clone(), *(g.clone() for g in grads)])
+        recorded.append(len(records) - before)
+    return got
+
+
+LATE_CYCLES = 40_000_000  # ~20 ms at the H200's clock: each group's copies start that late
+
+
+def test_with_cuda_graphs_late_copies_still_read_what_the_blocks_saved(fm, dev, tmp_path, monkeypatch):
+    """Compiled blocks replayed from CUDA graphs write into the graphs' pool, which holds what the blocks saved.
+    The copies to the host are made late on purpose (a sleep queued on their stream, as at the end of a real
+    forward where they queue behind each other), so a replay that reused their memory too early would corrupt them:
+    the replayed steps' gradients must still match the graphs without offload."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = flux_blocks(fm, dev).train()
+    for b in (model.double_blocks[0], model.single_blocks[0]):
+        b.enable_gradient_checkpointing()
+    sac.install(model)
+    compile_blocks.install(model, mode="reduce-overhead")
+    args = {"double": block_inputs(dev, "double")}
+    offload = ao.Offloader._offload
+
+    def late(self, g):
+        with torch.cuda.stream(self._streams_of(g.device)[0]):
+            torch.cuda._sleep(LATE_CYCLES)
+        offload(self, g)
+
+    monkeypatch.setattr(ao.Offloader, "_offload", late)
+    records, plain, offloaded = [], [], []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+    monkeypatch.setattr(
+        cudagraph_trees.CUDAGraphTreeManager, "record_function", lambda *a, **k: records.append(1) or record(*a, **k)
+    )
+    torch._dynamo.reset()
+    skips = counters["inductor"]["cudagraph_skips"]
+    try:
+        want = _graph_steps(model, args, 5, records, plain)  # compile, warm-up, record, then replays
+        # new graphs (dynamo's reset drops the recorded ones): recorded with the offloaded tensors' memory free
+        torch._dynamo.reset()
+        ao.install(model, keep_last=0, graphs=True)
+        off = ao.offloader_of(model)
+        got = _graph_steps(model, args, 5, records, offloaded)
+    finally:
+        patch.remove_kernels(model)
+        torch._dynamo.reset()
+    noise = [rel(a, w) for a, w in zip(want[-2], want[-1], strict=True)]
+    errors = [rel(g, w) for g, w in zip(got[-1], want[-1], strict=True)]
+    print(f"\n  offloaded {off.step_tensors}; max rel. error {max(errors):.1e} (replays {max(noise):.1e}); {offloaded}")
+    assert counters["inductor"]["cudagraph_skips"] == skips  # every block call ran from CUDA graphs
+    # and the last steps replayed them: a reload at a new address would record the backward graphs again each step
+    assert plain[-2:] == offloaded[-2:] == [0, 0] and sum(offloaded) > 0, (plain, offloaded)
+    assert off.step_tensors >= 8  # four groups: the blocks' inputs and selective outputs
+    assert all(torch.isfinite(t).all() for t in got[-1])
+    assert max(errors) <= max(2 * max(noise), 1e-4), (errors, noise)

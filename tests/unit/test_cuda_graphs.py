@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from flux_trainer.config import ConfigError
-from flux_trainer.config.validate import cuda_graphs_decision
+from flux_trainer.config.validate import cuda_graphs_decision, cuda_graphs_setting
 from flux_trainer.sdscripts import hooks as hooks_mod
 
 
@@ -30,6 +30,9 @@ from flux_trainer.sdscripts import hooks as hooks_mod
         (["memory=vram48", "kernels.cuda_graphs=true"], 1, True, True),
         (["memory=vram80", "kernels.cuda_graphs=false"], 1, True, False),
         (["memory=vram80", "kernels.set='auto,activation_offload'"], 1, True, True),  # nothing checkpointed to offload
+        # the offloaded tensors are held until their copies are done (flux_kernels.activation_offload.HOLD)
+        (["memory=vram24", "kernels.cuda_graphs=true", "kernels.set='auto,activation_offload'"], 1, True, True),
+        (["memory=vram24", "kernels=offload"], 1, True, True),  # the preset: the same two
     ],
 )
 def test_decision(compose, overrides, processes, gpu, want):
@@ -44,7 +47,6 @@ def test_decision(compose, overrides, processes, gpu, want):
         (["kernels=off"], 1, "kernels=off"),
         (["kernels.set='auto,-compile_blocks'"], 1, "kernels.set=auto,-compile_blocks compiles no blocks"),
         ([], 2, "2 processes"),
-        (["memory=vram24", "kernels.set='auto,activation_offload'"], 1, "activation_offload copies"),
     ],
 )
 def test_asking_where_graphs_cannot_run_is_an_error_naming_why(compose, overrides, processes, words):
@@ -52,6 +54,15 @@ def test_asking_where_graphs_cannot_run_is_an_error_naming_why(compose, override
     with pytest.raises(ConfigError, match="kernels.cuda_graphs=true") as e:
         cuda_graphs_decision(cfg, processes)
     assert words in str(e.value)
+
+
+def test_the_offload_preset_is_auto_with_activation_offload_replayed_from_graphs(compose):
+    from flux_kernels.request import parse_request
+
+    cfg = compose("+dataset=mychar", "memory=vram24", "kernels=offload")
+    request = parse_request(str(cfg.kernels.set))
+    assert request.wants("activation_offload", in_auto=False) and request.wants("compile_blocks", in_auto=True)
+    assert cuda_graphs_setting(cfg) == "true"
 
 
 def test_a_setting_that_is_not_auto_true_or_false_is_refused(compose):
@@ -79,10 +90,11 @@ def test_graphs_compile_the_blocks_in_reduce_overhead_mode(monkeypatch):
     got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True}, "cuda")
     assert got == ["attention", "compile_blocks", "cuda_graphs"]
     assert seen["compile_blocks"] == {"mode": "reduce-overhead"}
+    assert seen["activation_offload"] == {"graphs": True}  # its copies wait for nothing the replays do otherwise
     seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
     got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": False}, "cuda")
     assert got == ["attention", "compile_blocks"]
-    assert "compile_blocks" not in seen
+    assert "compile_blocks" not in seen and "activation_offload" not in seen
 
 
 def test_without_compiled_blocks_graphs_are_skipped_in_auto_and_an_error_when_asked(monkeypatch, caplog):

@@ -7,6 +7,9 @@ the registry probe and tests/gpu on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import pytest
 import torch
 
@@ -83,6 +86,87 @@ def test_each_tensor_comes_back_to_its_slot_with_its_strides_and_the_earlier_gro
     assert sum(len(v) for v in off.pool.values()) == 2
 
 
+class _Stream:
+    """A CUDA stream stand-in that records what it was made to wait for."""
+
+    def __init__(self, name: str, waits: list):
+        self.name, self.waits = name, waits
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        self.waits.append((self.name, event))
+
+
+class _Event:
+    def record(self, stream) -> None:
+        self.stream = stream
+
+
+def test_with_cuda_graphs_a_groups_gpu_tensors_live_until_the_compute_stream_waited_for_their_copies(monkeypatch):
+    """The stream logic of `hold` (CUDA graphs) on CPU stand-ins: a group's GPU tensors outlive HOLD more block
+    calls, the compute stream waits for that group's copies to the host before they are dropped, backward drops
+    what is still held before its first reload, and the reloads reuse RING sets of buffers."""
+    waits = []
+    compute = _Stream("compute", waits)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    off = ao.Offloader(min_bytes=0, hold=2)
+    streams = (_Stream("to host", waits), _Stream("back", waits))
+    monkeypatch.setattr(off, "_streams_of", lambda device: streams)
+    cpu = torch.device("cpu")
+    addresses = []
+    for step in range(2):
+        waits.clear()
+        values, alive, packed = [], [], []
+        for _ in range(4):
+            t = _random(8, 16)
+            values.append(t.clone())
+            with off.group(cpu):
+                packed.append(off.pack(off._last(), t))
+            alive.append(weakref.ref(t))
+            del t
+        groups = [p.group for p in packed]
+        # the fourth call dropped the first group's tensors, after the compute stream waited for its copies
+        assert [a() is not None for a in alive] == [False, True, True, True]
+        assert [w for w in waits if w[0] == "compute"] == [("compute", groups[0].saved)]
+        got = off.unpack(packed[3])  # backward: the rest dropped first, each after its copies
+        assert all(a() is None for a in alive)
+        assert [w for w in waits if w[0] == "compute"][1:4] == [("compute", g.saved) for g in groups[1:]]
+        assert ("back", groups[3].saved) in waits  # the reload itself waits for the copies too
+        addresses.append([got.data_ptr()])
+        assert torch.equal(got, values[3])
+        for i in (2, 1, 0):
+            got = off.unpack(packed[i])
+            assert torch.equal(got, values[i])
+            addresses[step].insert(0, got.data_ptr())
+    # the reloads land in the same buffers every step (the backward graphs' fixed addresses), two sets in turn
+    assert addresses[0] == addresses[1]
+    assert addresses[0][0] == addresses[0][2] != addresses[0][1] == addresses[0][3]
+
+
+def test_without_cuda_graphs_nothing_is_held(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append(stream))
+    off = ao.Offloader(min_bytes=0)
+    waits = []
+    monkeypatch.setattr(off, "_streams_of", lambda device: (_Stream("to host", waits), _Stream("back", waits)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream("compute", waits))
+    t = _random(8, 16)
+    with off.group(torch.device("cpu")):
+        off.pack(off._last(), t)
+    alive = weakref.ref(t)
+    del t
+    assert alive() is None  # the allocator, told by record_stream, keeps the memory until the copy is done
+    assert [s.name for s in recorded] == ["to host"]
+    assert not any(name == "compute" for name, _ in waits)
+
+
 def _model(fm, offload: bool, keep_last: int = 0):
     model = tiny_flux(fm).train()
     model.enable_gradient_checkpointing()
@@ -152,6 +236,24 @@ def test_the_last_checkpointed_block_keeps_its_tensors_and_unchecked_blocks_are_
         torch._dynamo.reset()
     assert one_block > 0
     assert none == 0
+
+
+def test_with_cuda_graphs_more_is_offloaded_by_default_and_the_env_overrides_either(fm, monkeypatch):
+    """Measured per mode (H200): under graphs, keeping blocks bought nothing and 1 MiB tensors are worth copying."""
+    model = tiny_flux(fm)
+    for b in model.double_blocks + model.single_blocks:
+        b._compiled_call_impl = b._call_impl  # stands in for compile_blocks (install only checks it is there)
+    for graphs, keep, mib, hold in ((False, ao.KEEP_LAST, 4, 0), (True, ao.KEEP_LAST_GRAPHS, 1, ao.HOLD)):
+        line = ao.install(model, graphs=graphs)
+        off = ao.offloader_of(model)
+        assert (off.keep_last, off.min_bytes, off.hold) == (keep, mib * 2**20, hold)
+        assert f">= {mib:g} MiB" in line and f"not the last {keep}" in line
+        assert ("CUDA graphs" in line) is graphs
+    monkeypatch.setenv(ao.KEEP_LAST_ENV, "3")
+    monkeypatch.setenv(ao.MIN_BYTES_ENV, "0.5")
+    ao.install(model, graphs=True)
+    assert (ao.offloader_of(model).keep_last, ao.offloader_of(model).min_bytes) == (3, 2**19)
+    assert ao.remove(model)
 
 
 def test_install_needs_compiled_blocks_and_refuses_block_swap(fm):
