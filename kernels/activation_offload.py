@@ -32,9 +32,10 @@ log-sum-exp: little memory, and each copy has a fixed cost), non-dense views, th
 blocks' tensors (backward needs them first, while the copies of the forward's last blocks are still queued: on the
 H200 the copies each way run at ~55 GB/s, 4.6 GiB a step at 1024² takes ~90 ms, about a forward's time; with CUDA
 graphs the copies cannot queue up, since the compute stream waits for them HOLD blocks later, and the CPU launches
-nothing per copy, so there MIN_BYTES_GRAPHS and KEEP_LAST_GRAPHS apply), and blocks that are not checkpointed (their activations are ~10x larger: the copies would take longer than the
-recompute they replace). Needs `compile_blocks` (under sd-scripts' eager checkpointing the kept tensors never pass
-through saved-tensor hooks). Nothing here imports sd-scripts.
+nothing per copy, so there MIN_BYTES_GRAPHS and KEEP_LAST_GRAPHS apply), and blocks that are not checkpointed
+(their activations are ~10x larger: the copies would take longer than the recompute they replace). Needs
+`compile_blocks` (under sd-scripts' eager checkpointing the kept tensors never pass through saved-tensor hooks).
+Nothing here imports sd-scripts.
 """
 
 from __future__ import annotations
