@@ -277,7 +277,10 @@ def cuda_graphs_decision(cfg: DictConfig, processes: int, gpu: bool = True) -> b
         raise ConfigError(f"kernels.cuda_graphs={cfg.kernels.cuda_graphs}: choose auto, true or false")
     blockers = cuda_graph_blockers(cfg, processes, gpu)
     if setting == "true" and blockers:
-        raise ConfigError([f"kernels.cuda_graphs=true: {b}" for b in blockers])
+        # the user may not have typed it: the kernels=offload preset sets it
+        offload = "activation_offload" in str(cfg.kernels.set)
+        origin = " (kernels=offload sets it; choose another kernels set here)" if offload else ""
+        raise ConfigError([f"kernels.cuda_graphs=true{origin}: {b}" for b in blockers])
     if setting == "auto":
         return not blockers and not cfg.memory.gradient_checkpointing
     return setting == "true"

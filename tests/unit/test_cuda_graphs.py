@@ -65,6 +65,13 @@ def test_the_offload_preset_is_auto_with_activation_offload_replayed_from_graphs
     assert cuda_graphs_setting(cfg) == "true"
 
 
+def test_the_offload_preset_where_graphs_cannot_run_says_the_preset_asked_for_them(compose):
+    cfg = compose("+dataset=mychar", "memory=vram16", "kernels=offload")
+    with pytest.raises(ConfigError, match="kernels=offload sets it") as e:
+        cuda_graphs_decision(cfg, 1)
+    assert "blocks_to_swap" in str(e.value)
+
+
 def test_a_setting_that_is_not_auto_true_or_false_is_refused(compose):
     with pytest.raises(ConfigError, match="choose auto, true or false"):
         cuda_graphs_decision(compose("+dataset=mychar", "kernels.cuda_graphs=sometimes"), 1)
