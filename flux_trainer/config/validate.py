@@ -243,14 +243,19 @@ def cuda_graphs_setting(cfg: DictConfig) -> str:
     return str(cfg.kernels.get("cuda_graphs", "auto")).strip().lower()
 
 
+def _kernel_request(cfg: DictConfig):
+    """kernels.set parsed; an invalid one (validate() reports it) as `off`."""
+    try:
+        return parse_request(str(cfg.kernels.set))
+    except ValueError:
+        return parse_request("off")
+
+
 def cuda_graph_blockers(cfg: DictConfig, processes: int, gpu: bool = True) -> list[str]:
     """Why CUDA graphs cannot replay this run's compiled blocks (empty: they can). A graph fixes every address it
     reads and writes: it needs the compiled blocks, weights that stay put and one backward per optimizer step."""
     blockers = [] if gpu else ["no CUDA GPU"]
-    try:
-        request = parse_request(str(cfg.kernels.set))
-    except ValueError:  # validate() reports it; here it only means nothing to replay
-        request = parse_request("off")
+    request = _kernel_request(cfg)
     if not request.wants("compile_blocks", in_auto=True):
         what = f"kernels.set={cfg.kernels.set}" if request.auto or request.named else "kernels=off"
         blockers.append(f"{what} compiles no blocks to replay")
@@ -278,7 +283,7 @@ def cuda_graphs_decision(cfg: DictConfig, processes: int, gpu: bool = True) -> b
     blockers = cuda_graph_blockers(cfg, processes, gpu)
     if setting == "true" and blockers:
         # the user may not have typed it: the kernels=offload preset sets it
-        offload = "activation_offload" in str(cfg.kernels.set)
+        offload = _kernel_request(cfg).wants("activation_offload", in_auto=False)
         origin = " (kernels=offload sets it; choose another kernels set here)" if offload else ""
         raise ConfigError([f"kernels.cuda_graphs=true{origin}: {b}" for b in blockers])
     if setting == "auto":

@@ -70,6 +70,11 @@ def test_the_offload_preset_where_graphs_cannot_run_says_the_preset_asked_for_th
     with pytest.raises(ConfigError, match="kernels=offload sets it") as e:
         cuda_graphs_decision(cfg, 1)
     assert "blocks_to_swap" in str(e.value)
+    without = "kernels.set='auto,-activation_offload'"
+    cfg = compose("+dataset=mychar", "memory=vram16", "kernels.cuda_graphs=true", without)
+    with pytest.raises(ConfigError) as e:
+        cuda_graphs_decision(cfg, 1)
+    assert "kernels=offload" not in str(e.value)  # taken out, not asked for
 
 
 def test_a_setting_that_is_not_auto_true_or_false_is_refused(compose):
