@@ -3,6 +3,7 @@ and runner as training, for several presets / kernel sets / resolutions; a table
 
     flux-train bench --cases memory=vram80 memory=vram48 --kernels off auto --steps 20 --baseline
     flux-train bench --cases memory=vram24 --vram-cap 24      # prove a 24 GB card's preset on a bigger card
+    flux-train bench --cases memory=vram48 --kernels off fp8+kernels.cuda_graphs=true   # one set's own overrides
 
 Step time is measured the same way for flux-train and for plain sd-scripts (`--baseline`): the wall time
 between successive `loss/current` TensorBoard events, which sd-scripts writes once per optimizer step after
@@ -185,10 +186,11 @@ def compare_runs(ref_dir: Path, run_dir: Path) -> dict:
 
 def compare_kernel_sets(results: list[BenchResult], plan: list[tuple[str, list[str], int]], first: str) -> None:
     """Each case against the case with the same settings and the first kernel set, in place."""
-    refs = {}
+    refs, reference = {}, kernel_overrides(first)
     for r, (_, overrides, res) in zip(results, plan, strict=True):
-        key = (tuple(o for o in overrides if not o.startswith("kernels=")), res)
-        if f"kernels={first}" in overrides:
+        at = next(i for i, o in enumerate(overrides) if o.startswith("kernels="))
+        key = (tuple(overrides[:at]), res)  # the case's own overrides come before the kernel set's
+        if overrides[at:] == reference:
             refs[key] = r
         elif key in refs and refs[key].run_dir and r.run_dir:
             r.compared_to = refs[key].case
@@ -225,13 +227,21 @@ def bench_dataset(resolution: int) -> tuple[Path, str]:
     return root / "configs", name
 
 
+def kernel_overrides(spec: str) -> list[str]:
+    """A --kernels entry as overrides: 'fp8+kernels.cuda_graphs=true' -> the preset, then its own overrides."""
+    name, *extra = spec.split("+")
+    return [f"kernels={name}", *extra]
+
+
 def cases(presets: list[str], kernels: list[str], resolutions: list[int]) -> list[tuple[str, list[str], int]]:
     out = []
     for preset, kernel, res in itertools.product(presets, kernels, resolutions):
         extra = preset.split("+") if preset else []
-        words = [*(e.split("=")[-1] for e in extra), f"k-{kernel}", str(res)]
+        kernel_extra = kernel_overrides(kernel)
+        words = [*(e.split("=")[-1] for e in extra), f"k-{kernel.split('+')[0]}",
+                 *(e.split("=")[-1] for e in kernel_extra[1:]), str(res)]  # fmt: skip
         name = "_".join(re.sub(r"[^\w.-]+", "-", w.strip("'\"")) for w in words)  # a file name: no quotes or commas
-        out.append((name, [*extra, f"kernels={kernel}"], res))
+        out.append((name, [*extra, *kernel_extra], res))
     return out
 
 
@@ -356,8 +366,9 @@ def bench_main(argv: list[str]) -> int:
         default=["memory=vram80"],
         help="override sets, '+' joins several: memory=vram48 memory=vram24+precision=fp8_base",
     )
-    ap.add_argument("--kernels", nargs="+", default=["off"], help="kernel sets: off auto ...; with several, each "
-                    "case's per-step loss and final LoRA are compared with the first set's (same seed and data)")
+    ap.add_argument("--kernels", nargs="+", default=["off"], help="kernel sets: off auto ...; '+' adds overrides "
+                    "for that set alone (fp8+kernels.cuda_graphs=true); with several, each case's per-step loss and "
+                    "final LoRA are compared with the first set's (same seed and data)")
     ap.add_argument("--resolution", nargs="+", type=int, default=[1024])
     ap.add_argument("--model", default="random", help="random (full size, default) or random_tiny")
     ap.add_argument("--warmup", type=int, default=5)

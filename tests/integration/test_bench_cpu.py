@@ -72,6 +72,9 @@ def test_cases_expand_the_product():
     ((name, overrides, _),) = cases(["optimizer=prodigy+kernels.set='compile_blocks,prodigy_step'"], ["auto"], [1024])
     assert overrides[-2:] == ["kernels.set='compile_blocks,prodigy_step'", "kernels=auto"]
     assert name == "prodigy_compile_blocks-prodigy_step_k-auto_1024"  # a case name is a folder and file name
+    ((name, overrides, _),) = cases(["memory=vram48"], ["fp8+kernels.cuda_graphs=true"], [1024])
+    assert overrides == ["memory=vram48", "kernels=fp8", "kernels.cuda_graphs=true"]  # the set's own, after it
+    assert name == "vram48_k-fp8_true_1024"
 
 
 def test_case_cap():
@@ -182,3 +185,30 @@ def test_compare_kernel_sets_pairs_each_case_with_the_first_sets_run(tmp_path):
     assert by["vram80_k-auto_1024"].compared_to == "vram80_k-off_1024"
     assert by["vram80_k-auto_1024"].loss_rel_diff == pytest.approx(1.0)
     assert by["vram24_k-off_1024"].compared_to is None
+
+
+def test_compare_kernel_sets_with_overrides_of_one_set(tmp_path):
+    """A kernel set with its own overrides ('fp8+kernels.cuda_graphs=true') pairs with the first set's run of the
+    same case; two sets that differ only in such overrides are told apart."""
+    from flux_trainer.bench import BenchResult, cases, compare_kernel_sets
+
+    kernels = ["auto", "auto+kernels.cuda_graphs=true", "fp8+kernels.cuda_graphs=true"]
+    plan = cases(["memory=vram48", "memory=vram80"], kernels, [1024])
+    runs = {}
+    for name, _, _ in plan:
+        loss = 2.0 if "vram80" in name and "fp8" in name else 1.0
+        runs[name] = _fake_run(tmp_path / name, [loss, loss], {"x.lora_up.weight": __import__("torch").ones(3)})
+    results = [BenchResult(case=n, overrides=o, exit_code=0, run_dir=str(runs[n])) for n, o, _ in plan]
+    compare_kernel_sets(results, plan, "auto")
+    by = {r.case: r for r in results}
+    assert by["vram48_k-auto_true_1024"].compared_to == "vram48_k-auto_1024"
+    assert by["vram80_k-fp8_true_1024"].compared_to == "vram80_k-auto_1024"
+    assert by["vram80_k-fp8_true_1024"].loss_rel_diff == pytest.approx(1.0)
+    assert by["vram48_k-fp8_true_1024"].loss_rel_diff == 0.0
+    assert by["vram48_k-auto_1024"].compared_to is None and by["vram80_k-auto_1024"].compared_to is None
+    plan = cases(["memory=vram48"], kernels[1::-1], [1024])  # the reference has an override of its own
+    results = [BenchResult(case=n, overrides=o, exit_code=0, run_dir=str(runs[n])) for n, o, _ in plan]
+    compare_kernel_sets(results, plan, kernels[1])
+    by = {r.case: r for r in results}
+    assert by["vram48_k-auto_1024"].compared_to == "vram48_k-auto_true_1024"
+    assert by["vram48_k-auto_true_1024"].compared_to is None
