@@ -405,15 +405,19 @@ def apply_kernels(
         for name in ("attention", "fp8_matmul"):
             options.setdefault(name, {}).setdefault("device", selection.device.torch_device)
     options.setdefault("fp8_matmul", {}).setdefault("quantize", insists("fp8_matmul"))  # named: a bf16 base too
-    specs = []
-    for spec in selection.specs:
+
+    def applies(spec) -> bool:
+        """auto's condition for `spec`, on the model as the kernels installed before it left it (fp8_matmul takes
+        the layers lora_fold would fold)."""
         auto_if = getattr(spec, "auto_if", None)
-        ok, why = auto_if(flux_model) if (auto_if is not None and not insists(spec.name)) else (True, "")
-        if ok:
-            specs.append(spec)
-        else:
+        if auto_if is None or insists(spec.name):
+            return True
+        ok, why = auto_if(flux_model)
+        if not ok:
             log.info("kernel %s skipped: %s", spec.name, why)
-    block_specs = [s for s in specs if s.name in BLOCK_OPS]
+        return ok
+
+    block_specs = [s for s in selection.specs if s.name in BLOCK_OPS and applies(s)]
     lines = [s.install(flux_model, **options.get(s.name, {})) for s in block_specs]
     if verify and block_specs:
         try:
@@ -425,9 +429,12 @@ def apply_kernels(
             if any(insists(s.name) for s in block_specs):
                 raise KernelError(f"kernels {names} failed verification: {e}; remove them from kernels=") from e
             log.warning("flux_kernels: %s not installed: %s", names, e)
-            specs = [s for s in specs if s not in block_specs]
-            lines = []
-    lines += [s.install(flux_model, **options.get(s.name, {})) for s in specs if s.name not in BLOCK_OPS]
+            block_specs, lines = [], []
+    installed = list(block_specs)
+    for spec in selection.specs:
+        if spec.name not in BLOCK_OPS and applies(spec):  # in order, each judged after the ones before it
+            lines.append(spec.install(flux_model, **options.get(spec.name, {})))
+            installed.append(spec)
     for line in lines:
         log.info("flux_kernels installed %s", line)
-    return [s.name for s in specs]
+    return [s.name for s in selection.specs if s in installed]

@@ -4,6 +4,7 @@ selected by `auto` only on an fp8 base. Speed is the GPU's business (tests/gpu, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -245,6 +246,23 @@ def test_auto_takes_fp8_only_on_an_fp8_base_and_a_named_request_quantises(fm, lo
     assert after == before - tokenwise  # 1 byte instead of 2 per token-wise weight: the bf16 copies were released
     fp8_model, _ = _blocks_with_lora(fm, lora_flux, fp8.E4M3)
     assert patch.apply_kernels(fp8_model, auto) == ["fp8_matmul"]
+
+
+def test_kernels_fp8_without_checkpointing_skips_the_lora_fold(fm, lora_flux, caplog):
+    """kernels=fp8 (auto, fp8_matmul named) on a bf16 base without checkpointing: lora_fold, from auto, is judged
+    after fp8_matmul has taken its layers, so it is skipped with a log line. It was judged before, then failed to
+    install: `kernels=fp8` at memory=vram80 exited 2 (H200, 2026-11-22)."""
+    specs = tuple(REGISTRY[n] for n in ("fp8_matmul", "lora_fold"))
+    selection = Selection(("fp8_matmul", "lora_fold"), specs=specs, explicit=False, named=("fp8_matmul",))
+    model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
+    assert registry.has_wide_lora(model)[0]  # on the bf16 model the fold applies
+    with caplog.at_level(logging.INFO, logger="flux_kernels.patch"):
+        assert patch.apply_kernels(model, selection) == ["fp8_matmul"]
+    assert "kernel lora_fold skipped: no plain LoRA" in caplog.text
+    model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
+    both = dataclasses.replace(selection, named=("fp8_matmul", "lora_fold"))
+    with pytest.raises(patch.KernelError, match="lora_fold"):  # named, the fold is insisted on: an error
+        patch.apply_kernels(model, both)
 
 
 def test_nothing_eligible_is_an_error_naming_why(fm, lora_flux):
