@@ -238,8 +238,8 @@ def cases(presets: list[str], kernels: list[str], resolutions: list[int]) -> lis
     for preset, kernel, res in itertools.product(presets, kernels, resolutions):
         extra = preset.split("+") if preset else []
         kernel_extra = kernel_overrides(kernel)
-        words = [*(e.split("=")[-1] for e in extra), f"k-{kernel.split('+')[0]}",
-                 *(e.split("=")[-1] for e in kernel_extra[1:]), str(res)]  # fmt: skip
+        words = [*(e.split("=")[-1] for e in extra), *(e.split("=")[-1] for e in kernel_extra), str(res)]
+        words[len(extra)] = f"k-{words[len(extra)]}"  # the kernel set's name
         name = "_".join(re.sub(r"[^\w.-]+", "-", w.strip("'\"")) for w in words)  # a file name: no quotes or commas
         out.append((name, [*extra, *kernel_extra], res))
     return out
