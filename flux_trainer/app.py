@@ -20,7 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root, model_cache, shipped_config_dir
-from flux_trainer.config.validate import cuda_graphs_decision, cuda_graphs_setting, tier_gib, validate
+from flux_trainer.config.validate import (
+    cuda_graphs_decision,
+    cuda_graphs_setting,
+    fp8_keep_transposed_decision,
+    tier_gib,
+    validate,
+)
 from flux_trainer.launch import command as launch_command
 from flux_trainer.launch import device as launch_device
 from flux_trainer.launch import profiles
@@ -125,6 +131,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
     resolve_memory(cfg, info)
     cuda_graphs = cuda_graphs_decision(cfg, _gpus(cfg, info) * int(cfg.launcher.nodes), gpu=info.is_gpu)
     cuda_graphs_asked = cuda_graphs_setting(cfg) == "true"
+    fp8_keep_transposed = fp8_keep_transposed_decision(cfg)
     absolute_paths(cfg)
     try:
         checkout = sd_checkout.locate(cfg.sd_scripts)
@@ -184,7 +191,12 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
             train_toml=str(train_toml),
             dataset_toml=str(dataset_toml),
             random_model_dir=str(Path(cfg.model.flux).parent) if random_preset == "tiny" else None,
-            kernels={"set": cfg.kernels.set, "cuda_graphs": cuda_graphs, "cuda_graphs_asked": cuda_graphs_asked},
+            kernels={
+                "set": cfg.kernels.set,
+                "cuda_graphs": cuda_graphs,
+                "cuda_graphs_asked": cuda_graphs_asked,
+                "fp8_keep_transposed": fp8_keep_transposed,
+            },
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
             pin_memory=bool(cfg.train.pin_memory),

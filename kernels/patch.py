@@ -267,15 +267,17 @@ def attention_decision(model: nn.Module) -> str | None:
     return None
 
 
-def install_fp8(model: nn.Module, quantize: bool = False, device=None, **_) -> str:
+def install_fp8(model: nn.Module, quantize: bool = False, device=None, keep_transposed: bool = False, **_) -> str:
     """fp8 frozen matmuls (flux_kernels.fp8) in every block's token-wise Linear layers; `quantize` also converts
-    high-precision weights (on `device`, e.g. the GPU, when given)."""
+    high-precision weights (on `device`, e.g. the GPU, when given); `keep_transposed` keeps each weight's transpose
+    for the input gradient (+1 byte per weight)."""
     from flux_kernels import fp8
 
     double, single = find_blocks(model)
     if not double and not single:
         raise ValueError(f"{type(model).__name__} has no FLUX double/single-stream blocks to patch")
-    done, skipped, note = fp8.install(double + single, quantize=quantize, device=device)
+    blocks = double + single
+    done, skipped, note = fp8.install(blocks, quantize=quantize, device=device, keep_transposed=keep_transposed)
     if not done:
         raise KernelError(f"fp8_matmul: none of the {skipped} block Linear layers qualify (fp8 weights, "
                           "frozen, dimensions multiples of 16)")  # fmt: skip

@@ -107,6 +107,7 @@ class KernelsConfig:
     set: str = "auto"  # auto | off | a comma list of flux_kernels names (attention,qk_norm_rope,...) | auto,name,-name
     attention: str = "sdpa"  # sdpa | xformers
     cuda_graphs: str = "auto"  # auto | true | false: the compiled blocks replay from CUDA graphs (see validate)
+    fp8_keep_transposed: str = "auto"  # auto | true | false: fp8_matmul keeps its weights' transposes (see validate)
 
 
 @dataclass

@@ -377,7 +377,10 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
     from flux_trainer.config.paths import cache_root
 
     selection = registry.select(kernels.get("set", "auto"), device)
-    options = {"attention": {"cache_path": cache_root() / "kernels" / "attention_probe.json"}}
+    options = {
+        "attention": {"cache_path": cache_root() / "kernels" / "attention_probe.json"},
+        "fp8_matmul": {"keep_transposed": bool(kernels.get("fp8_keep_transposed"))},
+    }
     graphs = bool(kernels.get("cuda_graphs")) and "compile_blocks" in selection.installed
     if kernels.get("cuda_graphs") and not graphs:
         why = f"compile_blocks is not installed here ({selection.skipped.get('compile_blocks', 'not selected')})"

@@ -230,6 +230,41 @@ def test_quantised_weights_scales_move_with_the_model(fm, lora_flux):
     assert all(lin._buffers[fp8.SCALE].device.type == "meta" for lin in linears)
 
 
+def test_a_kept_transpose_gives_the_same_bits_and_is_what_the_input_gradient_reads():
+    gen = torch.Generator().manual_seed(7)
+    w8, scale = _weights("quantized", 96, 64, gen)
+    x = (torch.randn(37, 64, generator=gen) + 0.1).bfloat16().requires_grad_()
+    dy = torch.randn(37, 96, generator=gen).bfloat16()
+    w8_t = fp8.transpose(w8)
+    assert w8_t.shape == (64, 96) and w8_t.is_contiguous()
+    runs = []
+    for kept in (None, w8_t, torch.zeros_like(w8_t)):  # the last: a kept transpose of zeros
+        y = fp8.fp8_linear(x, w8, scale, None, kept)
+        runs.append((y, *torch.autograd.grad(y, x, dy)))
+    (y, dx), (y_kept, dx_kept), (y_zero, dx_zero) = runs
+    assert torch.equal(y_kept, y) and torch.equal(dx_kept, dx)  # the same bytes, so the same result
+    assert torch.equal(y_zero, y)  # the forward never reads it
+    assert dx.abs().sum() > 0 and dx_zero.abs().sum() == 0  # the input gradient does, instead of transposing w8
+
+
+def test_installed_with_kept_transposes_matches_and_uninstall_frees_them(fm, lora_flux):
+    model, loras = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
+    keys = set(model.state_dict())
+    patch.install_fp8(model, quantize=True)
+    want, dwant = _run_blocks(model, loras)
+    patch.remove_kernels(model)
+    line = patch.install_fp8(model, keep_transposed=True)  # the weights are fp8 now: used as stored
+    assert "transposes kept for the input gradient" in line
+    linears = [lin for _, lin in fp8.block_linears([*model.double_blocks, *model.single_blocks])]
+    assert all(torch.equal(lin._buffers[fp8.TRANSPOSED], lin.weight.t()) for lin in linears)
+    assert set(model.state_dict()) == keys  # not written into a saved model
+    got, dgot = _run_blocks(model, loras)
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(dgot, dwant, strict=True))
+    assert patch.remove_kernels(model) == ["fp8"]
+    assert not any(fp8.TRANSPOSED in lin._buffers for lin in linears)
+
+
 def test_auto_takes_fp8_only_on_an_fp8_base_and_a_named_request_quantises(fm, lora_flux, caplog):
     spec = REGISTRY["fp8_matmul"]
     auto = Selection(("fp8_matmul",), specs=(spec,), explicit=False)
@@ -271,3 +306,37 @@ def test_nothing_eligible_is_an_error_naming_why(fm, lora_flux):
     model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
     with pytest.raises(patch.KernelError, match="none of the 10 block Linear layers qualify"):
         patch.install_fp8(model, quantize=False)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "want"),
+    [
+        (["memory=vram80"], True),  # no checkpointing: memory is not traded for speed
+        (["memory=vram48"], False),
+        (["memory=vram24"], False),
+        (["memory=vram16"], False),  # block swap moves the weights
+        (["memory=vram48", "kernels.fp8_keep_transposed=true"], True),
+        (["memory=vram80", "kernels.fp8_keep_transposed=false"], False),
+    ],
+)
+def test_where_the_transposes_are_kept_and_the_runner_passes_it_on(compose, monkeypatch, overrides, want):
+    from types import SimpleNamespace
+
+    from flux_trainer.config.validate import fp8_keep_transposed_decision
+    from flux_trainer.sdscripts import hooks
+
+    decision = fp8_keep_transposed_decision(compose("+dataset=mychar", *overrides))
+    assert decision is want
+    seen = {}
+    monkeypatch.setattr(registry, "select", lambda *a, **k: SimpleNamespace(installed=("fp8_matmul",), skipped={}))
+    monkeypatch.setattr(patch, "apply_kernels", lambda unet, selection, options: seen.update(options) or ["x"])
+    hooks.install_kernels(None, {"set": "fp8", "fp8_keep_transposed": decision}, "cuda")
+    assert seen["fp8_matmul"] == {"keep_transposed": want}
+
+
+def test_a_bad_keep_transposed_value_is_an_error(compose):
+    from flux_trainer.config import ConfigError
+    from flux_trainer.config.validate import fp8_keep_transposed_decision
+
+    with pytest.raises(ConfigError, match="kernels.fp8_keep_transposed=sometimes: choose auto, true or false"):
+        fp8_keep_transposed_decision(compose("+dataset=mychar", "kernels.fp8_keep_transposed=sometimes"))
