@@ -273,21 +273,18 @@ def install(
         if hasattr(lin, ATTR) or fp8_problem(lin):
             skipped += 1
             continue
-        w = lin.weight
+        w, home = lin.weight.detach(), lin.weight.device
         if w.dtype != E4M3:
             if not quantize:
                 skipped += 1
                 continue
-            home = w.device
-            w8, scale = quantize_weight(w.detach().to(device or home))
-            lin.weight = nn.Parameter(w8.to(home), requires_grad=False)
+            w, scale = quantize_weight(w.to(device or home))  # w stays on `device` for the transpose below
+            lin.weight = nn.Parameter(w.to(home), requires_grad=False)
             lin.register_buffer(SCALE, scale.to(home), persistent=False)
             quantized += 1
         if keep_transposed:
-            home = lin.weight.device
-            w8_t = transpose(lin.weight.detach().to(device or home)).to(home)
-            lin.register_buffer(TRANSPOSED, w8_t, persistent=False)
-            kept += lin.weight.numel()
+            lin.register_buffer(TRANSPOSED, transpose(w.to(device or home)).to(home), persistent=False)
+            kept += w.numel()
         _route(lin, Fp8Forward(lin))
         done += 1
     note = f"{quantized} weights quantised to e4m3 (one scale per row)" if quantized else "fp8 weights as stored"

@@ -238,9 +238,22 @@ def kernel_set_problem(kernel_set: str) -> str | None:
     return None
 
 
+def switch_setting(cfg: DictConfig, key: str) -> str:
+    """An auto | true | false key of `kernels` (CUDA_GRAPHS_SETTINGS), lower-cased: Hydra reads `true` as a bool."""
+    return str(cfg.kernels.get(key, "auto")).strip().lower()
+
+
+def checked_switch(cfg: DictConfig, key: str) -> str:
+    """switch_setting, or a ConfigError naming the key when the value is none of auto, true or false."""
+    setting = switch_setting(cfg, key)
+    if setting not in CUDA_GRAPHS_SETTINGS:
+        raise ConfigError(f"kernels.{key}={cfg.kernels.get(key)}: choose auto, true or false")
+    return setting
+
+
 def cuda_graphs_setting(cfg: DictConfig) -> str:
     """kernels.cuda_graphs as one of CUDA_GRAPHS_SETTINGS (Hydra reads `true` as a bool)."""
-    return str(cfg.kernels.get("cuda_graphs", "auto")).strip().lower()
+    return switch_setting(cfg, "cuda_graphs")
 
 
 def fp8_keep_transposed_decision(cfg: DictConfig) -> bool:
@@ -248,9 +261,7 @@ def fp8_keep_transposed_decision(cfg: DictConfig) -> bool:
     of making it again every backward: +1 byte per frozen block weight (~8 GiB on FLUX.1) for ~5 ms of a 0.32 s
     step at 1024² on an H200. `auto`: where memory is not traded for speed, as for CUDA graphs (no gradient
     checkpointing, no block swap: the vram80 tier); `true` anywhere; an fp8 weight's transpose is bit-exact."""
-    setting = str(cfg.kernels.get("fp8_keep_transposed", "auto")).strip().lower()
-    if setting not in CUDA_GRAPHS_SETTINGS:
-        raise ConfigError(f"kernels.fp8_keep_transposed={cfg.kernels.fp8_keep_transposed}: choose auto, true or false")
+    setting = checked_switch(cfg, "fp8_keep_transposed")
     if setting == "auto":
         mem = cfg.memory
         return not (mem.gradient_checkpointing or mem.blocks_to_swap or mem.cpu_offload_checkpointing)
@@ -291,9 +302,7 @@ def cuda_graphs_decision(cfg: DictConfig, processes: int, gpu: bool = True) -> b
     +1.4-1.5 GiB; at vram24 with every block checkpointed selectively, 0.390 s/step against 0.468 for that tier's
     default, +0.3 GiB on the card, but 24 GB cards' steps wait on the GPU, not the CPU, so not by default). `true`
     turns them on anywhere they can run and is an error where they cannot."""
-    setting = cuda_graphs_setting(cfg)
-    if setting not in CUDA_GRAPHS_SETTINGS:
-        raise ConfigError(f"kernels.cuda_graphs={cfg.kernels.cuda_graphs}: choose auto, true or false")
+    setting = checked_switch(cfg, "cuda_graphs")
     blockers = cuda_graph_blockers(cfg, processes, gpu)
     if setting == "true" and blockers:
         # the user may not have typed it: the kernels=offload preset sets it
