@@ -22,7 +22,19 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from flux_kernels import activation_offload, compile_blocks, fast, fp8, lora_fold, lora_norms, patch, prodigy, reference
+from flux_kernels import (
+    activation_offload,
+    adamw,
+    compile_blocks,
+    fast,
+    fp8,
+    lora_fold,
+    lora_norms,
+    patch,
+    prodigy,
+    reference,
+    single_process,
+)
 from flux_kernels import selective_checkpoint as sac
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
 from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
@@ -49,7 +61,7 @@ class KernelSpec:
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
     tolerance: float | None = None  # max rel. error allowed by the probe; None: TOLERANCE of the dtype
     auto_if: Callable[[Any], tuple[bool, str]] | None = None  # (model) -> (ok, reason): `auto` installs it only if ok
-    target: str = "model"  # what `install` takes: "model" (sd-scripts' FLUX model) or "optimizer" (sd-scripts' one)
+    target: str = "model"  # what `install` takes: "model" (sd-scripts' FLUX model), "optimizer" or "trainer" (ours)
 
 
 @dataclass(frozen=True)
@@ -442,6 +454,24 @@ REGISTRY: dict[str, KernelSpec] = {
             prodigy.install,
             check=lambda info: prodigy.self_check(info.torch_device),
             target="optimizer",  # in auto: 0.519 -> 0.408 s/step on a vram80 Prodigy run (H200, README)
+        ),
+        KernelSpec(
+            "adamw_step",
+            "torch's AdamW step fused (one kernel per device and dtype, step counts on the device) instead of the "
+            "multi-tensor path sd-scripts gets, which reads two step counts a parameter tensor back as Python numbers",
+            any_applies,
+            adamw.install,
+            check=lambda info: adamw.self_check(info.torch_device),
+            target="optimizer",
+        ),
+        KernelSpec(
+            "single_process_reduce",
+            "no gradient all-reduce on one process, where sd-scripts' reduce is a copy and a division by 1 of every "
+            "LoRA gradient (~1.2k kernels a step on FLUX), bit for bit the same gradients",
+            any_applies,
+            single_process.install,
+            check=lambda info: single_process.self_check(info.torch_device),
+            target="trainer",
         ),
         KernelSpec(
             "selective_checkpoint",

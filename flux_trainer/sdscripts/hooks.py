@@ -37,6 +37,7 @@ class RunHooks:
         self._ranks_peak: dict[str, float] = {}
         self._max_steps = 0
         self._optimizer_kernels: list[str] = []
+        self._trainer_kernels: list[str] = []
         self._bypass_reasons: CacheBypassReasons | None = None
         self._compile_cache = ""  # the cache line after the first step (log and TensorBoard's run/compile_cache)
         self._compiled: CompileState | None = None  # the compile counts and seconds at the last report
@@ -62,6 +63,10 @@ class RunHooks:
             )
             self._reseeded = True
 
+    def trainer_created(self, trainer: Any) -> None:
+        """Our trainer subclass exists, train() is about to run: the kernels that change its own steps go in."""
+        self._trainer_kernels = install_trainer_kernels(trainer, self.spec.kernels)
+
     def optimizer_created(self, optimizer: Any) -> None:
         """sd-scripts just built the optimizer (before its LR scheduler wraps the step): optimizer kernels go in."""
         self._optimizer_kernels = install_optimizer_kernels(optimizer, self.spec.kernels)
@@ -71,7 +76,7 @@ class RunHooks:
         self._unet = unet
         if "compile_blocks" in self.kernels_installed:
             self._bypass_reasons = CacheBypassReasons().install()  # the blocks compile at their first call, later
-        self.kernels_installed += self._optimizer_kernels
+        self.kernels_installed += self._optimizer_kernels + self._trainer_kernels
         if self.kernels_installed or self.spec.kernels.get("set", "off") != "off":
             log.info("kernels installed: %s", ", ".join(self.kernels_installed) or "none")
         self._accelerator = accelerator
@@ -397,8 +402,18 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
 
 
 def install_optimizer_kernels(optimizer: Any, kernels: dict[str, Any]) -> list[str]:
-    """The kernels whose target is sd-scripts' optimizer (prodigy_step), probed on this process's device. One
-    that is named but cannot run (another optimizer, a failed probe) is an error; under auto, a log line."""
+    """The kernels whose target is sd-scripts' optimizer (prodigy_step, adamw_step), probed on this process's
+    device. One that is named but cannot run (another optimizer, a failed probe) is an error; under auto, a log
+    line."""
+    return _install_on(optimizer, "optimizer", kernels, "change the optimizer")
+
+
+def install_trainer_kernels(trainer: Any, kernels: dict[str, Any]) -> list[str]:
+    """The kernels whose target is our FluxNetworkTrainer subclass (single_process_reduce), as above."""
+    return _install_on(trainer, "trainer", kernels, "use auto")
+
+
+def _install_on(target: Any, kind: str, kernels: dict[str, Any], instead: str) -> list[str]:
     if kernels.get("set", "off") == "off":
         return []
     import torch
@@ -406,14 +421,14 @@ def install_optimizer_kernels(optimizer: Any, kernels: dict[str, Any]) -> list[s
     from flux_kernels import patch, registry
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    selection = registry.select(kernels.get("set", "auto"), device, target="optimizer")
+    selection = registry.select(kernels.get("set", "auto"), device, target=kind)
     installed = []
     for spec in selection.specs:
         try:
-            line = spec.install(optimizer)
+            line = spec.install(target)
         except ValueError as e:
             if selection.insists(spec.name):
-                raise patch.KernelError(f"{e}; remove {spec.name} from kernels= or change the optimizer") from e
+                raise patch.KernelError(f"{e}; remove {spec.name} from kernels= or {instead}") from e
             log.info("kernel %s skipped: %s", spec.name, str(e).removeprefix(f"{spec.name}: "))
             continue
         log.info("flux_kernels installed %s", line)

@@ -3,7 +3,8 @@
 `accelerate launch -m flux_trainer.sdscripts.runner --run-dir DIR` starts this. It reads `runner.json` from
 the run dir (written by the parent), puts the checkout on sys.path, parses the TOML with sd-scripts' own
 `setup_parser()` and `read_config_from_file`, and calls `train(args)` on our subclass. The subclass only
-overrides sd-scripts' hook methods: model loaded (random presets, kernels), step start/end (metrics).
+overrides sd-scripts' hook methods: model loaded (random presets, kernels), step start/end (metrics); kernels whose
+target is the trainer (flux_kernels.single_process) wrap its methods on the instance.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
                 return name, described, optimizer
 
             mods.train_util.get_optimizer = get_optimizer
+            self.flux_train.trainer_created(self)
             try:
                 return super().train(args)
             finally:

@@ -116,8 +116,9 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     assert any("config" in t for t in texts) and "tiny" in texts["run/config"]
     assert "accelerate.commands.launch" in texts["run/command"] and texts["run/kernels"]
     # kernels=auto on a CPU installs the plain-PyTorch kernels: the LoRA norms (sd-scripts' grad-norm tag comes from
-    # them) and Prodigy's step (the default optimizer)
-    assert texts["run/kernels"] == "lora_grad_norms, prodigy_step"
+    # them), Prodigy's step (the default optimizer) and, on this one process, no gradient all-reduce
+    assert texts["run/kernels"] == "lora_grad_norms, prodigy_step, single_process_reduce"
+    assert "flux_kernels installed single_process_reduce" in (run_dir / "train.log").read_text()
     assert all(v > 0 for _, v in scalars["norm/avg_grad_norm"])
     assert "lora_grad_norms: 13 LoRA modules" in " ".join((run_dir / "train.log").read_text().split())
 

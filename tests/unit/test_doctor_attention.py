@@ -149,6 +149,10 @@ def test_the_real_registry_on_cpu_skips_every_gpu_kernel_with_a_reason(monkeypat
     assert ok.status == "pass" and "matches the reference" in ok.evidence
     ok = rows.pop("kernel: prodigy_step")  # so is the optimizer step, against prodigyopt
     assert ok.status == "pass" and "matches prodigyopt" in ok.evidence
+    ok = rows.pop("kernel: adamw_step")  # and AdamW's, against torch's own (fused AdamW runs on the CPU too)
+    assert ok.status == "pass" and "matches torch's default AdamW step" in ok.evidence
+    ok = rows.pop("kernel: single_process_reduce")
+    assert ok.status == "pass" and "bit for bit" in ok.evidence
     assert all(r.status == "skip" and r.evidence for r in rows.values())
 
 

@@ -250,7 +250,7 @@ def test_registry_selects_it_for_the_optimizer_only_and_its_probe_compares_with_
     assert registry.select("prodigy_step,lora_grad_norms", "cpu").installed == ("lora_grad_norms",)
     chosen = registry.select("prodigy_step,lora_grad_norms", "cpu", target="optimizer")
     assert chosen.installed == ("prodigy_step",)
-    assert registry.select("auto", "cpu", target="optimizer").installed == ("prodigy_step",)
+    assert registry.select("auto", "cpu", target="optimizer").installed == ("prodigy_step", "adamw_step")
     assert registry.select("off", "cpu", target="optimizer").installed == ()
     ok, why = prodigy.self_check(torch.device("cpu"))
     assert ok and "matches prodigyopt" in why
@@ -283,7 +283,7 @@ def test_runner_hook_installs_it_and_refuses_another_optimizer_only_when_named(c
     assert install_optimizer_kernels(auto, {"set": "auto"}) == ["prodigy_step"]  # the default optimizer, by default
     assert type(auto).__name__ == "FastProdigy"
     with caplog.at_level(logging.INFO, logger="flux_trainer.runner"):  # auto with another optimizer: a log line
-        assert install_optimizer_kernels(torch.optim.AdamW(make_params()), {"set": "auto"}) == []
+        assert install_optimizer_kernels(torch.optim.AdamW(make_params()), {"set": "auto"}) == ["adamw_step"]
     assert (
         "kernel prodigy_step skipped: the optimizer is torch.optim.adamw.AdamW, not prodigyopt's Prodigy" in caplog.text
     )

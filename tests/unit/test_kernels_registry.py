@@ -138,16 +138,18 @@ def test_off_installs_nothing_and_real_registry_explicit_compile_on_cpu_raises()
 
 def test_every_registry_entry_is_frozen_and_complete():
     assert list(REGISTRY) == ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "fp8_matmul",
-                              "lora_fold", "lora_grad_norms", "prodigy_step", "selective_checkpoint",
-                              "compile_blocks", "activation_offload"]  # fmt: skip
-    assert [n for n, s in REGISTRY.items() if s.target != "model"] == ["prodigy_step"]  # installs into the optimizer
+                              "lora_fold", "lora_grad_norms", "prodigy_step", "adamw_step", "single_process_reduce",
+                              "selective_checkpoint", "compile_blocks", "activation_offload"]  # fmt: skip
+    # these install into the optimizer, this one into our trainer
+    assert {n: s.target for n, s in REGISTRY.items() if s.target != "model"} == {
+        "prodigy_step": "optimizer", "adamw_step": "optimizer", "single_process_reduce": "trainer"}  # fmt: skip
     # auto = the attention choice + fp8 matmuls (on an fp8 base only) + the LoRA folded into the wide layers' GEMM +
-    # the LoRA norms (where a LoRA is applied) + Prodigy's step (when the optimizer is Prodigy) + selective
-    # checkpointing (where blocks are checkpointed) + regional compile; the Triton ops are opt-in until they beat
-    # compile_blocks, activation_offload until it is measured at the tiers' own caps
+    # the LoRA norms (where a LoRA is applied) + Prodigy's or AdamW's step (whichever the optimizer is) + no
+    # all-reduce on one process + selective checkpointing (where blocks are checkpointed) + regional compile; the
+    # Triton ops are opt-in until they beat compile_blocks, activation_offload until it is measured at the tiers' caps
     assert [n for n, s in REGISTRY.items() if s.in_auto] == ["attention", "fp8_matmul", "lora_fold", "lora_grad_norms",
-                                                              "prodigy_step", "selective_checkpoint",
-                                                              "compile_blocks"]  # fmt: skip
+                                                              "prodigy_step", "adamw_step", "single_process_reduce",
+                                                              "selective_checkpoint", "compile_blocks"]  # fmt: skip
     assert [n for n, s in REGISTRY.items() if s.auto_if is not None] == ["fp8_matmul", "lora_fold", "lora_grad_norms",
                                                                          "selective_checkpoint"]  # fmt: skip
     for spec in REGISTRY.values():
