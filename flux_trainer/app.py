@@ -34,7 +34,7 @@ from flux_trainer.sdscripts import checkout as sd_checkout
 from flux_trainer.sdscripts.parser_schema import check_training_keys, load_schema
 from flux_trainer.sdscripts.resume import SavedState, resume_decision
 from flux_trainer.sdscripts.runner import RunnerSpec
-from flux_trainer.sdscripts.translate import RunPaths, sample_prompts_text, translate
+from flux_trainer.sdscripts.translate import RunPaths, sample_prompts_text, tracker_document, translate
 
 log = logging.getLogger("flux_trainer")
 TOKENIZER_ENV = "FLUX_TRAIN_TOKENIZER_DIR"
@@ -161,6 +161,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
         tokenizer_dir=tokenizer_dir(cfg),
         sample_prompts=run_dir / "sample_prompts.txt" if cfg.sample.prompts else None,
         resume_state=state.path if state is not None else None,
+        tracker_config=run_dir / "tracker.toml" if cfg.logging.tensorboard else None,
     )
     train_doc, dataset_doc = translate(cfg, paths)
     problems = check_training_keys(train_doc.flat(), load_schema()["flags"])
@@ -176,6 +177,8 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
         dataset_toml.write_text(dataset_doc.dumps(), encoding="utf-8")
         if paths.sample_prompts:
             paths.sample_prompts.write_text(sample_prompts_text(cfg), encoding="utf-8")
+        if paths.tracker_config:
+            paths.tracker_config.write_text(tracker_document().dumps(), encoding="utf-8")
         if checkout is not None:
             from flux_trainer.sdscripts.live_check import live_check
 
@@ -237,7 +240,10 @@ def _gpus(cfg: DictConfig, info) -> int:
 
 def _profile_options(cfg: DictConfig) -> dict:
     at = cfg.logging.get("profile_at")
-    return {} if at is None else {"profile_at": int(at), "profile_steps": int(cfg.logging.profile_steps)}
+    if at is None:
+        return {}
+    python = bool(cfg.logging.get("profile_python", False))
+    return {"profile_at": int(at), "profile_steps": int(cfg.logging.profile_steps), "profile_python": python}
 
 
 def _flops_options(cfg: DictConfig) -> dict:

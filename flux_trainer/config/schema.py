@@ -116,6 +116,7 @@ class LoggingConfig:
     tensorboard: bool = True
     profile_at: int | None = None  # profile from this optimizer step: <run>/profile/ (trace, time by kernel kind)
     profile_steps: int = 3  # how many steps the profile covers
+    profile_python: bool = False  # the trace also records the Python calls (where the host's time goes; larger)
 
 
 @dataclass

@@ -345,7 +345,9 @@ class SyncTrace:
 class StepProfiler:
     """Opens torch.profiler at the start of a chosen batch and closes it `steps` optimizer steps later."""
 
-    def __init__(self, run_dir: Path, at: int, steps: int = 3, accumulation: int = 1, rank: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, at: int, steps: int = 3, accumulation: int = 1, rank: int = 0, python: bool = False
+    ) -> None:
         if at < 1 or steps < 1:
             raise ValueError(f"logging.profile_at must be >= 1 and logging.profile_steps >= 1, got {at}, {steps}")
         self.out_dir = Path(run_dir) / "profile"
@@ -356,6 +358,7 @@ class StepProfiler:
         self._seen = 0
         self._started_at = 0
         self.rank = rank
+        self.python = python  # logging.profile_python: the trace records the Python calls too (with_stack)
         self._prof: Any = None
         self._syncs = SyncTrace()
         self._t0 = 0.0
@@ -386,7 +389,7 @@ class StepProfiler:
         if getattr(device, "type", "") == "cuda":
             activities.append(ProfilerActivity.CUDA)
             torch.cuda.synchronize(device)
-        self._prof = profile(activities=activities, record_shapes=True)
+        self._prof = profile(activities=activities, record_shapes=True, with_stack=self.python)
         self._prof.__enter__()
         self._syncs = SyncTrace()
         self._syncs.start(cuda=getattr(device, "type", "") == "cuda")

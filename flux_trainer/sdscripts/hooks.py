@@ -96,6 +96,7 @@ class RunHooks:
                 steps=int(self.spec.metrics.get("profile_steps", 3)),
                 accumulation=int(getattr(args, "gradient_accumulation_steps", 1) or 1),
                 rank=int(getattr(accelerator, "process_index", 0)),
+                python=bool(self.spec.metrics.get("profile_python", False)),
             )
         if self.spec.metrics.get("enabled", True):
             from flux_trainer.metrics.health import LossGuard, SlowdownDetector
@@ -171,6 +172,7 @@ class RunHooks:
         if not self._texts_written:
             self._texts_written = True
             self.write_run_texts(accelerator)
+            throttle_tracker_flush(accelerator)
         tags = self.metrics.on_step_end(global_step)
         tags.update(self._ranks_peak)
         self._ranks_peak = {}
@@ -363,6 +365,21 @@ def tracker_logdir(accelerator: Any) -> str | None:
         return getattr(writer, "log_dir", None) or writer.get_logdir()
     except Exception:  # noqa: BLE001 - no tensorboard tracker configured
         return None
+
+
+def throttle_tracker_flush(accelerator: Any) -> bool:
+    """sd-scripts' TensorBoard writer flushes at most every TENSORBOARD_FLUSH_SECS instead of at every step (see
+    flux_trainer.metrics.tensorboard.throttle_flush); False without a TensorBoard tracker."""
+    from flux_trainer.metrics.tensorboard import throttle_flush
+    from flux_trainer.sdscripts.translate import TENSORBOARD_FLUSH_SECS
+
+    try:
+        writer = accelerator.get_tracker("tensorboard", unwrap=True)
+    except Exception:  # noqa: BLE001 - no tensorboard tracker configured
+        return False
+    if not callable(getattr(writer, "flush", None)):
+        return False
+    return throttle_flush(writer, TENSORBOARD_FLUSH_SECS)
 
 
 def device_name(device: Any) -> str:

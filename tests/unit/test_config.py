@@ -160,3 +160,12 @@ def test_profile_window_must_be_positive(compose):
         compose("+dataset=mychar", "model=random_tiny", "logging.profile_at=5", "logging.profile_steps=0")
     )
     assert "logging.profile_steps=0" in p and "at least 1" in p
+
+
+def test_profile_options_reach_the_runner(compose):
+    from flux_trainer.app import _profile_options
+
+    assert _profile_options(compose("+dataset=mychar")) == {}
+    on = compose("+dataset=mychar", "logging.profile_at=5", "logging.profile_python=true")
+    assert _profile_options(on) == {"profile_at": 5, "profile_steps": 3, "profile_python": True}
+    assert _profile_options(compose("+dataset=mychar", "logging.profile_at=2"))["profile_python"] is False

@@ -68,6 +68,17 @@ def test_window_counts_batches_with_accumulation(tmp_path):
     assert trace["traceEvents"]
 
 
+def test_python_calls_are_in_the_trace_only_when_asked(tmp_path):
+    def python_events(python: bool) -> list[str]:
+        out = tmp_path / str(python)
+        _batches(StepProfiler(out, at=1, steps=1, python=python), 2)
+        trace = json.load(gzip.open(out / "profile" / "trace-rank0.json.gz"))
+        return [e["name"] for e in trace["traceEvents"] if e.get("cat") == "python_function"]
+
+    assert python_events(False) == []
+    assert any("_batches" in name for name in python_events(True))  # this file's helper, seen as a Python call
+
+
 def test_close_writes_a_window_the_run_ended_inside(tmp_path):
     prof = StepProfiler(tmp_path, at=2, steps=5)
     assert not prof.close()  # nothing open yet

@@ -81,12 +81,25 @@ def test_disabled_does_nothing():
 
 def test_cuda_path_reads_allocator_resets_peak_and_never_syncs(monkeypatch):
     calls = []
+    def stats(dev):  # the allocator's nested dict, as torch.cuda.memory_stats_as_nested_dict gives it
+        calls.append(("stats", dev))
+        return {
+            "allocated_bytes": {"all": {"current": 2 * GIB, "peak": 5 * GIB}, "small_pool": {"current": 1}},
+            "reserved_bytes": {"all": {"current": 3 * GIB, "peak": 4 * GIB}},
+            "num_alloc_retries": retries.pop(0),
+            "num_ooms": 0,
+        }
+
+    def flattening(*_a, **_k):
+        raise AssertionError("one read of the nested dict, not memory_stats()'s flattened copy per value")
+
     fake = {
-        "memory_allocated": lambda dev: 2 * GIB,
-        "memory_reserved": lambda dev: 3 * GIB,
-        "max_memory_allocated": lambda dev: 5 * GIB,
+        "memory_allocated": flattening,
+        "memory_reserved": flattening,
+        "max_memory_allocated": flattening,
+        "memory_stats": flattening,
         "reset_peak_memory_stats": lambda dev: calls.append(("reset", dev)),
-        "memory_stats_as_nested_dict": lambda dev: {"num_alloc_retries": retries.pop(0), "num_ooms": 0},
+        "memory_stats_as_nested_dict": stats,
     }
     retries = [2, 2, 7]  # cumulative, as PyTorch counts them
     for name, fn in fake.items():
@@ -101,7 +114,7 @@ def test_cuda_path_reads_allocator_resets_peak_and_never_syncs(monkeypatch):
     m.start()
     tags = m.on_step_end(1)
     assert (tags["vram/allocated_gib"], tags["vram/reserved_gib"], tags["vram/peak_gib"]) == (2.0, 3.0, 5.0)
-    assert calls == [("reset", torch.device("cuda", 1))]
+    assert calls == [("stats", torch.device("cuda", 1)), ("reset", torch.device("cuda", 1))]
     # the allocator's retries since the last log, not PyTorch's running total
     later = [m.on_step_end(step)["vram/alloc_retries"] for step in (2, 3)]
     assert [tags["vram/alloc_retries"], *later] == [2.0, 0.0, 5.0]

@@ -97,3 +97,36 @@ def test_list_runs_over_two_runs(tmp_path):
     assert [(r.steps_done, r.peak_vram_gib) for r in runs] == [(3, 11.0), (7, 41.0)]
     assert all(r.loss_tag == "loss/current" for r in runs)
     assert list_runs(tmp_path / "outputs" / "not_a_run") == []
+
+
+def test_flushes_are_throttled_and_every_event_still_reaches_the_file(tmp_path):
+    from flux_trainer.metrics.tensorboard import read_scalars, throttle_flush
+
+    now = [0.0]
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    flushed = []
+    real = writer.flush
+    writer.flush = lambda: (flushed.append(now[0]), real())
+    assert throttle_flush(writer, every_s=10.0, clock=lambda: now[0])
+    assert not throttle_flush(writer, every_s=10.0, clock=lambda: now[0])  # once
+    for step, t in enumerate((1.0, 5.0, 10.5, 12.0, 20.0, 21.0), start=1):
+        now[0] = t
+        writer.add_scalar("loss/current", float(step), step)
+        writer.flush()  # what accelerate's tracker does after every log call
+    assert flushed == [10.5, 21.0]  # at most one flush per 10 s
+    writer.close()  # flushes everything, throttled or not
+    assert [s for s, _ in read_scalars(str(tmp_path))["loss/current"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_runner_throttles_sd_scripts_tracker_and_leaves_runs_without_one_alone(tmp_path):
+    from accelerate import Accelerator
+
+    from flux_trainer.sdscripts.hooks import throttle_tracker_flush
+
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    accelerator.init_trackers("network_train")
+    assert throttle_tracker_flush(accelerator)
+    assert accelerator.get_tracker("tensorboard", unwrap=True).flush._flux_throttled
+    accelerator.log({"loss/current": 1.0}, step=1)  # accelerate's log flushes: now a throttled no-op, no error
+    accelerator.end_training()
+    assert not throttle_tracker_flush(Accelerator(cpu=True))

@@ -24,7 +24,12 @@ CASES = {
 
 def _paths(name: str) -> RunPaths:
     run = Path("/runs") / name
-    return RunPaths(run_dir=run, tokenizer_dir=Path("/cache/tokenizers"), sample_prompts=run / "sample_prompts.txt")
+    return RunPaths(
+        run_dir=run,
+        tokenizer_dir=Path("/cache/tokenizers"),
+        sample_prompts=run / "sample_prompts.txt",
+        tracker_config=run / "tracker.toml",
+    )
 
 
 @pytest.fixture
@@ -98,6 +103,26 @@ def test_network_args_are_strings_lora_flux_parses(golden_compose):
     assert args == ["train_blocks=single", "split_qkv=True", "loraplus_lr_ratio=4.0"]
     # networks/lora_flux.py: key, value = s.split("=", 1); booleans compared with the literal "True"
     assert dict(a.split("=", 1) for a in args)["split_qkv"] == "True"
+
+
+def test_tensorboard_gets_a_tracker_config_that_accelerate_passes_to_its_writer(golden_compose, tmp_path):
+    """sd-scripts reads `log_tracker_config` as accelerate's init_kwargs; the [tensorboard] table becomes the
+    keyword arguments of its SummaryWriter (no queue of 10 events, a flush every 10 s)."""
+    from accelerate import Accelerator
+
+    from flux_trainer.sdscripts.translate import tracker_document
+
+    t = translate(golden_compose(), _paths("d"))[0].flat()
+    assert t["log_tracker_config"] == "/runs/d/tracker.toml" and t["log_with"] == "tensorboard"
+    off = translate(golden_compose("logging.tensorboard=false"), _paths("d"))[0].flat()
+    assert "log_tracker_config" not in off and "log_with" not in off
+    kwargs = tomli.loads(tracker_document().dumps())
+    assert kwargs == {"tensorboard": {"max_queue": 1000, "flush_secs": 10}}
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    accelerator.init_trackers("network_train", init_kwargs=kwargs)  # what sd-scripts' init_trackers does with it
+    writer = accelerator.get_tracker("tensorboard", unwrap=True)
+    assert (writer.max_queue, writer.flush_secs) == (1000, 10)
+    accelerator.end_training()
 
 
 def test_schema_check_catches_unknown_and_mistyped_keys():
