@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flux_kernels.reference import max_rel_err
+from flux_kernels.reference import optimizer_probe
 
 ATTR = "_flux_fused_adamw"  # on the optimizer: the hook handles install() added
 
@@ -113,25 +113,11 @@ def self_check(device: torch.device, steps: int = 6, rel: float = 1e-5) -> tuple
     within `rel`."""
     if torch.device(device).type not in _fused_devices():
         return False, f"torch {torch.__version__} has no fused AdamW on {torch.device(device).type}"
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(24, 40), (40, 24), (7,)]
-    start = [torch.randn(*s, generator=gen) * 0.1 for s in shapes] + [torch.zeros(40, 24)]
-    targets = [torch.randn(t.shape, generator=gen).to(device) for t in start]
-    runs = []
-    for fused in (False, True):
-        params = [torch.nn.Parameter(t.clone().to(device)) for t in start]
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-        if fused:
-            install(opt)
-        noise = torch.Generator().manual_seed(1)
-        for _ in range(steps):
-            for p, t in zip(params, targets, strict=True):
-                p.grad = (p.detach() - t) + (torch.randn(p.shape, generator=noise) * 1e-2).to(device)
-            opt.step()
-        if fused and not all(g["fused"] is True and not g["foreach"] for g in opt.param_groups):
-            return False, "the fused step did not run (the groups are not set to fused)"
-        runs.append(params)
-    worst = max(max_rel_err(b, a) for a, b in zip(*runs, strict=True))
+    worst, (_, fused) = optimizer_probe(
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01), install, device, steps
+    )
+    if not all(g["fused"] is True and not g["foreach"] for g in fused.param_groups):
+        return False, "the fused step did not run (the groups are not set to fused)"
     if not worst <= rel:
         return False, f"fused AdamW differs from torch's default step after {steps} steps ({worst:.2e} > {rel:.0e})"
     return True, f"matches torch's default AdamW step over {steps} steps (max rel. error {worst:.1e})"

@@ -122,3 +122,28 @@ def saved_bytes(fn, args, also_skip=()) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
     return sum(seen.values())
+
+
+def optimizer_probe(build, install, device, steps: int) -> tuple[float, list]:
+    """An optimizer step's install probe: the same tiny random float32 problem (three tensors and an all-zero one,
+    gradients pulling towards random targets, with noise) stepped `steps` times by `build(params)` as it is and
+    by another one with `install` applied, on `device`. Returns the worst relative difference of the parameters
+    after the steps, and the two optimizers (plain, installed)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(24, 40), (40, 24), (7,)]
+    start = [torch.randn(*s, generator=gen) * 0.1 for s in shapes] + [torch.zeros(40, 24)]
+    targets = [torch.randn(t.shape, generator=gen).to(device) for t in start]
+    runs, optimizers = [], []
+    for installed in (False, True):
+        params = [torch.nn.Parameter(t.clone().to(device)) for t in start]
+        opt = build(params)
+        if installed:
+            install(opt)
+        noise = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            for p, t in zip(params, targets, strict=True):
+                p.grad = (p.detach() - t) + (torch.randn(p.shape, generator=noise) * 1e-2).to(device)
+            opt.step()
+        runs.append(params)
+        optimizers.append(opt)
+    return max(max_rel_err(b, a) for a, b in zip(*runs, strict=True)), optimizers
