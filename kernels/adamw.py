@@ -62,6 +62,12 @@ def _to_fused(optimizer, args, kwargs) -> None:
                 optimizer.state[p]["step"] = step.to(p.device, torch.float32)
 
 
+def _set_groups(groups: list[dict], settings: list[tuple]) -> None:
+    """Each group's `fused` / `foreach` as recorded at install."""
+    for group, (fused, foreach) in zip(groups, settings, strict=False):
+        group["fused"], group["foreach"] = fused, foreach
+
+
 def _as_built(settings: list[tuple]):
     """A state_dict post-hook: the state as the optimizer sd-scripts built would save it, step counts as host float32
     scalars and each group's `fused` / `foreach` as they were before install, so a state saved here resumes the same
@@ -71,8 +77,7 @@ def _as_built(settings: list[tuple]):
         for key, entry in state_dict["state"].items():  # each entry is the live state's dict: replaced, not changed
             if isinstance(step := entry.get("step"), Tensor):
                 state_dict["state"][key] = {**entry, "step": step.detach().to("cpu", torch.float32, copy=True)}
-        for group, (fused, foreach) in zip(state_dict["param_groups"], settings, strict=False):
-            group["fused"], group["foreach"] = fused, foreach
+        _set_groups(state_dict["param_groups"], settings)
         return state_dict
 
     return hook
@@ -102,8 +107,7 @@ def uninstall(optimizer) -> bool:
     hooks, settings = installed
     for handle in hooks:
         handle.remove()
-    for group, (fused, foreach) in zip(optimizer.param_groups, settings, strict=False):
-        group["fused"], group["foreach"] = fused, foreach
+    _set_groups(optimizer.param_groups, settings)
     return True
 
 

@@ -358,12 +358,20 @@ def run_peak_gib(device: Any) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+def tracker_writer(accelerator: Any) -> Any | None:
+    """sd-scripts' TensorBoard writer (accelerate's tracker, unwrapped); None without one."""
+    try:
+        return accelerator.get_tracker("tensorboard", unwrap=True)
+    except Exception:  # noqa: BLE001 - no tensorboard tracker configured
+        return None
+
+
 def tracker_logdir(accelerator: Any) -> str | None:
     """The directory of sd-scripts' TensorBoard tracker, so our texts land in the same run."""
+    writer = tracker_writer(accelerator)
     try:
-        writer = accelerator.get_tracker("tensorboard", unwrap=True)
         return getattr(writer, "log_dir", None) or writer.get_logdir()
-    except Exception:  # noqa: BLE001 - no tensorboard tracker configured
+    except Exception:  # noqa: BLE001 - not a SummaryWriter (accelerate's blank tracker): no directory
         return None
 
 
@@ -373,10 +381,7 @@ def throttle_tracker_flush(accelerator: Any) -> bool:
     from flux_trainer.metrics.tensorboard import throttle_flush
     from flux_trainer.sdscripts.translate import TENSORBOARD_FLUSH_SECS
 
-    try:
-        writer = accelerator.get_tracker("tensorboard", unwrap=True)
-    except Exception:  # noqa: BLE001 - no tensorboard tracker configured
-        return False
+    writer = tracker_writer(accelerator)
     if not callable(getattr(writer, "flush", None)):
         return False
     return throttle_flush(writer, TENSORBOARD_FLUSH_SECS)
