@@ -311,7 +311,7 @@ def install_lora_fold(model: nn.Module, **_) -> str:
 def remove_kernels(model: nn.Module) -> list[str]:
     """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation,
     Linear layers get their forward back (weights that fp8_matmul quantised stay fp8)."""
-    from flux_kernels import activation_offload, compile_blocks, fp8, lora_fold, lora_norms
+    from flux_kernels import activation_offload, compile_blocks, fp8, lora_fold, lora_norms, prologue
     from flux_kernels import selective_checkpoint as sac
 
     undone = ["fp8"] if fp8.uninstall(model) else []
@@ -320,6 +320,7 @@ def remove_kernels(model: nn.Module) -> list[str]:
     undone += ["lora_fold"] if lora_fold.uninstall(model) else []
     undone += compile_blocks.remove(model)
     undone += ["lora_norms"] if lora_norms.uninstall(model) else []
+    undone += ["flux_prologue"] if prologue.uninstall(model) else []
     _remove_run_probe(model)
     for b in model.modules():
         if hasattr(b, ATTR):

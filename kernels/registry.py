@@ -32,6 +32,7 @@ from flux_kernels import (
     lora_norms,
     patch,
     prodigy,
+    prologue,
     reference,
     single_process,
 )
@@ -336,6 +337,14 @@ def offload_example(device, dtype, L=37, C=64):
     return x, w_up, w_down
 
 
+def prologue_example(device, dtype, B=2, L=7):
+    """Fractional timesteps in [0, 1) and positions on 3 axes (the model's own axes_dim / theta come at install)."""
+    gen = torch.Generator().manual_seed(0)
+    t = torch.rand(B, generator=gen).to(device, dtype).requires_grad_()
+    ids = (torch.randn(B, L, 3, generator=gen) * 20).to(device, dtype).requires_grad_()
+    return t, ids
+
+
 def compile_check(info: DeviceInfo) -> tuple[bool, str]:
     dev = info.torch_device
 
@@ -432,6 +441,18 @@ REGISTRY: dict[str, KernelSpec] = {
             example=lora_fold_example,
             dtypes=(torch.bfloat16,),  # as FLUX trains; float32 GEMMs run as TF32 where the launcher allows it
             auto_if=has_wide_lora,
+        ),
+        KernelSpec(
+            "flux_prologue",
+            "the model's per-step embeddings without the host work the GPU waits on: timestep frequencies kept on the "
+            "device (sd-scripts copies them from pageable host memory, a sync, twice a step) and the RoPE table in one "
+            "pass (~40 small kernels a step); the same bits",
+            any_applies,
+            prologue.install,
+            reference=prologue.reference_prologue,
+            fast=prologue.fast_prologue,
+            example=prologue_example,
+            dtypes=(torch.float32,),
         ),
         KernelSpec(
             "lora_grad_norms",

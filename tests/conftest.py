@@ -112,6 +112,6 @@ def tiny_flux_forward(model, img_tokens: int = 16, txt_tokens: int = 8, mask: bo
     img, txt = torch.randn(1, img_tokens, 64, generator=g), torch.randn(1, txt_tokens, 64, generator=g)
     ids = torch.zeros(1, img_tokens, 3), torch.zeros(1, txt_tokens, 3)
     m = torch.ones(1, txt_tokens, dtype=torch.bool) if mask else None
-    y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1), torch.full((1,), 3.5)
+    y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1, generator=g), torch.full((1,), 3.5)
     return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance,
                  txt_attention_mask=m)  # fmt: skip

@@ -44,6 +44,7 @@ class RunHooks:
         self.fit = None  # memory.checkpoint_skip (checkpoint_fit.CheckpointFit), from before_prepare on
         self._accumulation = 1
         self._retries_warned = False
+        self._ids: tuple[Any, Any] | None = None  # (sd-scripts' prepare_img_ids, its kept-on-device stand-in)
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -66,6 +67,18 @@ class RunHooks:
     def trainer_created(self, trainer: Any) -> None:
         """Our trainer subclass exists, train() is about to run: the kernels that change its own steps go in."""
         self._trainer_kernels = install_trainer_kernels(trainer, self.spec.kernels)
+
+    def position_ids(self, build: Any, device: Any) -> Any:
+        """What sd-scripts' `prepare_img_ids` should be during a step: with flux_prologue, the ids kept on `device`
+        per shape (flux_kernels.prologue.kept_on: no host build and pageable copy, a sync, every step); else
+        `build` itself."""
+        if "flux_prologue" not in self.kernels_installed:
+            return build
+        if self._ids is None or self._ids[0] is not build:
+            from flux_kernels.prologue import kept_on
+
+            self._ids = (build, kept_on(device, build))
+        return self._ids[1]
 
     def optimizer_created(self, optimizer: Any) -> None:
         """sd-scripts just built the optimizer (before its LR scheduler wraps the step): optimizer kernels go in."""
@@ -109,13 +122,16 @@ class RunHooks:
         """Runs on every rank: the data-wait mark, and every RANK_REDUCE_EVERY micro-steps the peak VRAM of the
         busiest rank (a collective, so it cannot live in step_logging, which sd-scripts calls on rank 0 only).
         The profiler window opens and closes here too, on every rank. At the first step, with lora_grad_norms,
-        the network's per-step `grad_norms()` (sd-scripts logs its mean) is served from the batched norms."""
+        the network's per-step `grad_norms()` (sd-scripts logs its mean) is served from the batched norms, and its
+        weight-norm loops run over the modules with GGPO only."""
         self._micro_steps += 1
         if self._micro_steps == 1 and network is not None and "lora_grad_norms" in self.kernels_installed:
             from flux_kernels import lora_norms
 
             if lora_norms.install_network(network):
                 log.info("lora_grad_norms: the network's grad_norms() (norm/avg_grad_norm) from the batched norms")
+            if (ggpo := lora_norms.install_norm_loops(network)) is not None:
+                log.info("lora_grad_norms: the network's weight-norm loops over the %d modules with GGPO", ggpo)
         if self.fit is not None and self._unet is not None:
             if self._micro_steps == 1 and (line := self.fit.start(self._unet)):
                 log.info(line)

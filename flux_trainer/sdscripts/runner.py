@@ -3,8 +3,9 @@
 `accelerate launch -m flux_trainer.sdscripts.runner --run-dir DIR` starts this. It reads `runner.json` from
 the run dir (written by the parent), puts the checkout on sys.path, parses the TOML with sd-scripts' own
 `setup_parser()` and `read_config_from_file`, and calls `train(args)` on our subclass. The subclass only
-overrides sd-scripts' hook methods: model loaded (random presets, kernels), step start/end (metrics); kernels whose
-target is the trainer (flux_kernels.single_process) wrap its methods on the instance.
+overrides sd-scripts' hook methods: model loaded (random presets, kernels), step start/end (metrics), the step's
+noise prediction (position ids kept on the device with flux_prologue); kernels whose target is the trainer
+(flux_kernels.single_process) wrap its methods on the instance.
 """
 
 from __future__ import annotations
@@ -110,6 +111,15 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
             if is_train:
                 self.flux_train.step_start(accelerator, network)
             return super().on_step_start(args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train)
+
+        def get_noise_pred_and_target(self, args, accelerator, *rest, **kwargs):
+            # the image position ids sd-scripts builds on the host every step: kept on the device with flux_prologue
+            build = mods.flux_utils.prepare_img_ids
+            mods.flux_utils.prepare_img_ids = self.flux_train.position_ids(build, accelerator.device)
+            try:
+                return super().get_noise_pred_and_target(args, accelerator, *rest, **kwargs)
+            finally:
+                mods.flux_utils.prepare_img_ids = build
 
         def sample_images(self, accelerator, args, epoch, global_step, *rest):
             result = super().sample_images(accelerator, args, epoch, global_step, *rest)

@@ -115,9 +115,11 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     assert "host/ram_gib" in scalars and scalars["host/ram_gib"][-1][1] > 0.1
     assert any("config" in t for t in texts) and "tiny" in texts["run/config"]
     assert "accelerate.commands.launch" in texts["run/command"] and texts["run/kernels"]
-    # kernels=auto on a CPU installs the plain-PyTorch kernels: the LoRA norms (sd-scripts' grad-norm tag comes from
-    # them), Prodigy's step (the default optimizer) and, on this one process, no gradient all-reduce
-    assert texts["run/kernels"] == "lora_grad_norms, prodigy_step, single_process_reduce"
+    # kernels=auto on a CPU installs the plain-PyTorch kernels: the per-step embeddings without syncs, the LoRA norms
+    # (sd-scripts' grad-norm tag comes from them), Prodigy's step (the default optimizer) and, on this one process,
+    # no gradient all-reduce
+    assert texts["run/kernels"] == "flux_prologue, lora_grad_norms, prodigy_step, single_process_reduce"
+    assert "flux_kernels installed flux_prologue:" in (run_dir / "train.log").read_text()
     assert "flux_kernels installed single_process_reduce" in (run_dir / "train.log").read_text()
     assert all(v > 0 for _, v in scalars["norm/avg_grad_norm"])
     assert "lora_grad_norms: 13 LoRA modules" in " ".join((run_dir / "train.log").read_text().split())

@@ -288,3 +288,38 @@ def test_a_network_without_patched_modules_is_left_alone():
     network = Network(loras)
     assert not lora_norms.install_network(network)  # lora_norms.install never ran on these modules
     assert "grad_norms" not in network.__dict__
+
+
+@pytest.mark.parametrize("ggpo", [False, True])
+def test_the_networks_weight_norm_loops_run_over_the_modules_with_ggpo(fm, lora_flux, ggpo):
+    """sd-scripts' own LoRANetwork on a tiny FLUX: update_norms / weight_norms / combined_weight_norms give what its
+    loops over every module give (GGPO: every module's norms; without: None), through loops over GGPO's modules."""
+    from tests.conftest import tiny_flux
+
+    model = tiny_flux(fm, depth=1, depth_single_blocks=1).requires_grad_(False)
+    options = {"ggpo_beta": "0.01", "ggpo_sigma": "0.03"} if ggpo else {}
+    network = lora_flux.create_network(1.0, 4, 4, None, [None, None], model, **options)
+    network.apply_to([], model, apply_text_encoder=False, apply_unet=True)
+    gen = torch.Generator().manual_seed(0)
+    for p in network.parameters():
+        p.data = 0.05 * torch.randn(p.shape, generator=gen)
+
+    def norms():
+        network.update_norms()
+        return network.weight_norms(), network.combined_weight_norms()
+
+    want = norms()
+    assert lora_norms.install_norm_loops(network) == (len(network.unet_loras) if ggpo else 0)
+    assert lora_norms.install_norm_loops(network) is None
+    got = norms()
+    for p in network.parameters():
+        p.data.mul_(1.5)  # the next step's weights: the installed loops compute them afresh
+    got_next = norms()
+    assert lora_norms.uninstall_norm_loops(network) and not lora_norms.uninstall_norm_loops(network)
+    assert not any(name in network.__dict__ for name in lora_norms.NORM_LOOPS)  # the class's methods again
+    want_next = norms()
+    rows = (len(network.unet_loras), 1)
+    for g, w in zip(got + got_next, want + want_next, strict=True):
+        assert (g.shape == rows and torch.equal(g, w)) if ggpo else (g is None and w is None)
+    if ggpo:
+        assert not torch.equal(got[0], got_next[0])
