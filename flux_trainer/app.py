@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root, model_cache, shipped_config_dir
 from flux_trainer.config.validate import (
+    combo_kernels_decision,
     cuda_graphs_decision,
     cuda_graphs_setting,
     fp8_keep_transposed_decision,
@@ -132,6 +133,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
     cuda_graphs = cuda_graphs_decision(cfg, _gpus(cfg, info) * int(cfg.launcher.nodes), gpu=info.is_gpu)
     cuda_graphs_asked = cuda_graphs_setting(cfg) == "true"
     fp8_keep_transposed = fp8_keep_transposed_decision(cfg)
+    combo_kernels = combo_kernels_decision(cfg, cuda_graphs)
     absolute_paths(cfg)
     try:
         checkout = sd_checkout.locate(cfg.sd_scripts)
@@ -199,6 +201,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
                 "cuda_graphs": cuda_graphs,
                 "cuda_graphs_asked": cuda_graphs_asked,
                 "fp8_keep_transposed": fp8_keep_transposed,
+                "combo_kernels": combo_kernels,
             },
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",

@@ -75,7 +75,8 @@ def install(model: nn.Module, **opts) -> str:
     fused = _fused_ops(double + single)
     # the host-side RNG variant with the fused ops' blocks: wrong gradients at a second shape on the H200, see TRACED
     rng = prefer_cacheable_rng(cuda_graphs=graphs or bool(fused))
-    notes = [n for n in (rng, _one_double_variant(model, double)) if n]
+    combo = "combo kernels" if chosen.get("combo_kernels") else None
+    notes = [n for n in (rng, _one_double_variant(model, double), combo) if n]
     if fused:
         notes.append(f"{', '.join(fused)}: inductor's code inside the compiled blocks, see flux_kernels.fast.TRACED")
     return f"compile_blocks: {len(double)} double + {len(single)} single blocks" + "".join(f" ({n})" for n in notes)

@@ -430,8 +430,12 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
         if kernels.get("cuda_graphs_asked"):
             raise patch.KernelError(f"kernels.cuda_graphs=true replays the compiled blocks, but {why}")
         log.info("cuda graphs skipped: %s", why)
+    inductor = {**CUDA_GRAPHS_OPTIONS} if graphs else {}
+    if kernels.get("combo_kernels") and "compile_blocks" in selection.installed:
+        inductor["combo_kernels"] = True
+    if inductor:
+        options["compile_blocks"] = {"options": inductor}
     if graphs:
-        options["compile_blocks"] = {"mode": CUDA_GRAPHS_MODE}
         options["activation_offload"] = {"graphs": True}  # its copies must not race the replays
     installed = patch.apply_kernels(unet, selection, options=options)
     if graphs and "compile_blocks" in installed:
@@ -474,7 +478,8 @@ def _install_on(target: Any, kind: str, kernels: dict[str, Any], instead: str) -
     return installed
 
 
-CUDA_GRAPHS_MODE = "reduce-overhead"  # torch.compile's mode for CUDA graphs (cudagraph trees)
+# torch.compile's mode="reduce-overhead" (cudagraph trees) as inductor options, which other options can join
+CUDA_GRAPHS_OPTIONS = {"triton.cudagraphs": True}
 
 
 def compile_cache_counts() -> dict[str, int]:

@@ -46,6 +46,15 @@ def test_pin_memory_off_reaches_the_runner(workdir):
     assert RunnerSpec.read(run).pin_memory is False
 
 
+def test_combo_kernels_reach_the_runner(workdir):
+    """The dry run's machine here has no GPU, so no CUDA graphs: auto leaves combo kernels off, true turns them on."""
+    assert main(["+dataset=mychar", "dry_run=true", "train.output_name=a"]) == 0
+    assert main(["+dataset=mychar", "dry_run=true", "train.output_name=b", "kernels.combo_kernels=true"]) == 0
+    first, second = run_dirs(workdir)  # runs/a/<time>, runs/b/<time>
+    assert RunnerSpec.read(first).kernels["combo_kernels"] is False
+    assert RunnerSpec.read(second).kernels["combo_kernels"] is True
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

@@ -98,15 +98,55 @@ def fake_kernels(monkeypatch, installed, skipped=None):
 
 
 def test_graphs_compile_the_blocks_in_reduce_overhead_mode(monkeypatch):
+    import torch
+
+    # torch.compile's mode="reduce-overhead" is these inductor options, which combo_kernels can join (a mode cannot)
+    assert torch._inductor.list_mode_options("reduce-overhead") == hooks_mod.CUDA_GRAPHS_OPTIONS
     seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
     got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True}, "cuda")
     assert got == ["attention", "compile_blocks", "cuda_graphs"]
-    assert seen["compile_blocks"] == {"mode": "reduce-overhead"}
+    assert seen["compile_blocks"] == {"options": {"triton.cudagraphs": True}}
     assert seen["activation_offload"] == {"graphs": True}  # its copies wait for nothing the replays do otherwise
     seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
     got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": False}, "cuda")
     assert got == ["attention", "compile_blocks"]
     assert "compile_blocks" not in seen and "activation_offload" not in seen
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_combo_kernels_join_the_compile_options_where_blocks_are_compiled(monkeypatch, graphs):
+    seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
+    hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": graphs, "combo_kernels": True}, "cuda")
+    assert seen["compile_blocks"] == {
+        "options": {**({"triton.cudagraphs": True} if graphs else {}), "combo_kernels": True}
+    }
+    seen = fake_kernels(monkeypatch, ("attention",), {"compile_blocks": "triton is not installed"})
+    hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": False, "combo_kernels": True}, "cuda")
+    assert "compile_blocks" not in seen
+
+
+@pytest.mark.parametrize(
+    ("overrides", "graphs", "want"),
+    [
+        ([], True, True),  # auto: with the CUDA graphs, where it was measured
+        ([], False, False),
+        (["kernels.combo_kernels=true"], False, True),
+        (["kernels.combo_kernels=false"], True, False),
+    ],
+)
+def test_where_combo_kernels_are_on(compose, overrides, graphs, want):
+    from flux_trainer.config.validate import combo_kernels_decision
+
+    assert combo_kernels_decision(compose("+dataset=mychar", *overrides), graphs) is want
+
+
+def test_combo_kernels_asked_without_compiled_blocks_or_with_a_bad_value_is_an_error(compose):
+    from flux_trainer.config.validate import combo_kernels_decision
+
+    with pytest.raises(ConfigError, match="kernels.combo_kernels=true: kernels.set=off compiles no blocks"):
+        combo_kernels_decision(compose("+dataset=mychar", "kernels=off", "kernels.combo_kernels=true"), False)
+    with pytest.raises(ConfigError, match="kernels.combo_kernels=maybe: choose auto, true or false"):
+        combo_kernels_decision(compose("+dataset=mychar", "kernels.combo_kernels=maybe"), True)
 
 
 def test_without_compiled_blocks_graphs_are_skipped_in_auto_and_an_error_when_asked(monkeypatch, caplog):

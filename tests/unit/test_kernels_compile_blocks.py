@@ -74,6 +74,10 @@ def test_install_compile_says_so_and_remove_kernels_restores(graphsafe_uncacheab
         pytest.fail("the stand-in block is not recognised as a single-stream block")
     line = compile_blocks.install(model, mode="reduce-overhead")  # CUDA graphs: left as it is
     assert "RNG" not in line and functorch_config.graphsafe_rng_functionalization is True
+    assert "combo kernels" not in line
+    patch.remove_kernels(model)
+    line = compile_blocks.install(model, options={"triton.cudagraphs": True, "combo_kernels": True})  # the same
+    assert "RNG" not in line and line.endswith("(combo kernels)")
     patch.remove_kernels(model)
     line = compile_blocks.install(model)
     assert "RNG state saved on the host" in line and functorch_config.graphsafe_rng_functionalization is False
