@@ -133,7 +133,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
     cuda_graphs = cuda_graphs_decision(cfg, _gpus(cfg, info) * int(cfg.launcher.nodes), gpu=info.is_gpu)
     cuda_graphs_asked = cuda_graphs_setting(cfg) == "true"
     fp8_keep_transposed = fp8_keep_transposed_decision(cfg)
-    combo_kernels = combo_kernels_decision(cfg, cuda_graphs)
+    combo_kernels = combo_kernels_decision(cfg)
     absolute_paths(cfg)
     try:
         checkout = sd_checkout.locate(cfg.sd_scripts)

@@ -9,10 +9,12 @@ Before its first block, sd-scripts' `Flux.forward` builds on every step
     That is about 40 small kernels a step, all launched from Python with the GPU idle, for one table.
 
 Installed, the frequency table is built once per (dim, max_period, device) by the same host computation and kept
-on the device, and the RoPE table comes from one gather of each frequency's axis, one multiply, cos and sin, one
-stack. Both give the same bits as sd-scripts' code: the same float32 / float64 operations, element for element
-(the per-axis einsum multiplies one position by one frequency, exactly as the gathered product does). Tests check
-that equality against sd-scripts' own functions.
+on the device, and the RoPE table from the angles of all axes side by side through one cos, one sin, one stack
+(~9 kernels instead of ~40). Both give the same bits as sd-scripts' code: the same float32 / float64 operations,
+element for element. Each axis's angles come from the same einsum of the same operands as sd-scripts', so autocast
+treats them alike: a first version that multiplied the positions in float64 itself differed from sd-scripts' under
+CUDA autocast (H200) for fractional positions, which that einsum takes rounded to bf16 there. Tests check the
+equality against sd-scripts' own functions, on the CPU and, with and without autocast, on a GPU.
 
 The trainer's side (flux_trainer.sdscripts.hooks, with this kernel installed): the image position ids, which
 sd-scripts builds on the host and copies from pageable memory every step (`prepare_img_ids(...).to(device)`, one
@@ -77,23 +79,29 @@ def _rotations(angles: Tensor) -> Tensor:
 
 
 def reference_rope_table(ids: Tensor, axes_dim: list[int], theta: float) -> Tensor:
-    """The plain computation: ids [B, L, n_axes] -> [B, 1, L, sum(axes_dim) / 2, 2, 2], axis by axis."""
-    per_axis = [_rotations(ids[..., i, None].double() * _omega(d, theta, ids.device)) for i, d in enumerate(axes_dim)]
+    """The plain computation: ids [B, L, n_axes] -> [B, 1, L, sum(axes_dim) / 2, 2, 2], axis by axis: each axis's
+    positions times its frequencies as an einsum of the float32 positions with the float64 frequencies. (Under
+    CUDA autocast that einsum takes the positions in bf16, exact for the integer positions FLUX trains on, up to
+    256; a plain float64 product would not, for fractional positions.)"""
+    per_axis = [
+        _rotations(torch.einsum("...n,d->...nd", ids[..., i], _omega(d, theta, ids.device)))
+        for i, d in enumerate(axes_dim)
+    ]
     return torch.cat(per_axis, dim=-3).unsqueeze(1)
 
 
-_TABLES: dict[tuple[tuple[int, ...], float, torch.device], tuple[Tensor, Tensor]] = {}
+_OMEGAS: dict[tuple[tuple[int, ...], float, torch.device], list[Tensor]] = {}
 
 
 def rope_table(ids: Tensor, axes_dim: list[int], theta: float) -> Tensor:
-    """reference_rope_table in one pass over all axes: each frequency's position gathered, one multiply."""
+    """reference_rope_table with each axis's frequencies kept on the device, and the angles of all axes, side by
+    side, through one cos, one sin and one stack: each angle from the same einsum of the same operands as the
+    per-axis computation (so autocast treats it the same way)."""
     key = (tuple(axes_dim), theta, ids.device)
-    if key not in _TABLES:
-        omega = torch.cat([_omega(d, theta, ids.device) for d in axes_dim])
-        axis = torch.cat([torch.full((d // 2,), i, dtype=torch.long) for i, d in enumerate(axes_dim)])
-        _TABLES[key] = omega, axis.to(ids.device)
-    omega, axis = _TABLES[key]
-    return _rotations(ids.double().index_select(-1, axis) * omega).unsqueeze(1)
+    if key not in _OMEGAS:
+        _OMEGAS[key] = [_omega(d, theta, ids.device) for d in axes_dim]
+    angles = [torch.einsum("...n,d->...nd", ids[..., i], omega) for i, omega in enumerate(_OMEGAS[key])]
+    return _rotations(torch.cat(angles, dim=-1)).unsqueeze(1)
 
 
 def reference_prologue(t: Tensor, ids: Tensor, axes_dim=(4, 6, 6), theta=10000) -> tuple[Tensor, Tensor]:

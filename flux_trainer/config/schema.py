@@ -108,7 +108,7 @@ class KernelsConfig:
     attention: str = "sdpa"  # sdpa | xformers
     cuda_graphs: str = "auto"  # auto | true | false: the compiled blocks replay from CUDA graphs (see validate)
     fp8_keep_transposed: str = "auto"  # auto | true | false: fp8_matmul keeps its weights' transposes (see validate)
-    combo_kernels: str = "auto"  # auto | true | false: the compiled blocks launch independent kernels as one (validate)
+    combo_kernels: bool = False  # the compiled blocks launch independent small kernels as one (see validate)
 
 
 @dataclass

@@ -125,39 +125,20 @@ def test_combo_kernels_join_the_compile_options_where_blocks_are_compiled(monkey
     assert "compile_blocks" not in seen
 
 
-@pytest.mark.parametrize(
-    ("overrides", "graphs", "want"),
-    [
-        ([], True, True),  # auto: with the CUDA graphs, where it was measured
-        ([], False, False),
-        (["kernels.combo_kernels=true"], False, True),
-        (["kernels.combo_kernels=false"], True, False),
-    ],
-)
-def test_where_combo_kernels_are_on(compose, overrides, graphs, want):
+@pytest.mark.parametrize(("overrides", "want"), [([], False), (["kernels.combo_kernels=true"], True)])
+def test_combo_kernels_are_off_unless_asked(compose, overrides, want):
     from flux_trainer.config.validate import combo_kernels_decision
 
-    assert combo_kernels_decision(compose("+dataset=mychar", *overrides), graphs) is want
+    assert combo_kernels_decision(compose("+dataset=mychar", *overrides)) is want
 
 
-def test_combo_kernels_asked_without_compiled_blocks_or_with_a_bad_value_is_an_error(compose):
+def test_combo_kernels_asked_without_compiled_blocks_or_not_a_bool_is_an_error(compose):
     from flux_trainer.config.validate import combo_kernels_decision
 
     with pytest.raises(ConfigError, match="kernels.combo_kernels=true: kernels.set=off compiles no blocks"):
-        combo_kernels_decision(compose("+dataset=mychar", "kernels=off", "kernels.combo_kernels=true"), False)
-    with pytest.raises(ConfigError, match="kernels.combo_kernels=maybe: choose auto, true or false"):
-        combo_kernels_decision(compose("+dataset=mychar", "kernels.combo_kernels=maybe"), True)
-
-
-def test_without_compiled_blocks_graphs_are_skipped_in_auto_and_an_error_when_asked(monkeypatch, caplog):
-    from flux_kernels.patch import KernelError
-
-    fake_kernels(monkeypatch, ("lora_grad_norms",), {"compile_blocks": "triton is not installed"})
-    with caplog.at_level(logging.INFO, logger="flux_trainer.runner"):
-        assert hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True}, "cuda") == ["lora_grad_norms"]
-    assert "cuda graphs skipped: compile_blocks is not installed here (triton is not installed)" in caplog.text
-    with pytest.raises(KernelError, match="triton is not installed"):
-        hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True, "cuda_graphs_asked": True}, "cuda")
+        combo_kernels_decision(compose("+dataset=mychar", "kernels=off", "kernels.combo_kernels=true"))
+    with pytest.raises(Exception, match="Error merging override kernels.combo_kernels=maybe"):  # the schema: a bool
+        compose("+dataset=mychar", "kernels.combo_kernels=maybe")
 
 
 def test_every_step_starts_a_new_graph_generation_and_skips_are_reported(tmp_path, monkeypatch, caplog):
