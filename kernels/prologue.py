@@ -134,8 +134,8 @@ def _pe_embedder(model: nn.Module) -> nn.Module:
 
 
 def install(model: nn.Module) -> str:
-    """The model's RoPE table in one pass, and the module-level timestep_embedding its forward calls (where there
-    is one) with its frequency table kept on the device. Undone by `uninstall`."""
+    """The model's RoPE table through one cos / sin / stack, and the module-level timestep_embedding its forward
+    calls (where there is one) with its frequency table kept on the device. Undone by `uninstall`."""
     pe = _pe_embedder(model)
     axes_dim, theta = list(pe.axes_dim), pe.theta
     pe.forward = lambda ids: rope_table(ids, axes_dim, theta)
@@ -146,7 +146,7 @@ def install(model: nn.Module) -> str:
     else:
         replaced = None
     setattr(model, ATTR, replaced)
-    what = "the RoPE table in one pass" + (", timestep frequencies kept on the device" if replaced else "")
+    what = "the RoPE table in one cos/sin pass" + (", timestep frequencies kept on the device" if replaced else "")
     return f"flux_prologue: {what}"
 
 

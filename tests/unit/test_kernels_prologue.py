@@ -90,7 +90,7 @@ def test_installed_in_a_tiny_flux_the_forward_is_the_same_and_uninstall_restores
     want = tiny_flux_forward(model, seed=4)
     original = fm.timestep_embedding
     line = prologue.install(model)
-    assert line == "flux_prologue: the RoPE table in one pass, timestep frequencies kept on the device"
+    assert line == "flux_prologue: the RoPE table in one cos/sin pass, timestep frequencies kept on the device"
     assert fm.timestep_embedding is prologue.timestep_embedding
     assert torch.equal(tiny_flux_forward(model, seed=4), want)
     assert "flux_prologue" in patch.remove_kernels(model)
