@@ -18,10 +18,12 @@ Where the weights come from:
 bf16 matmul); `fp8_linear` must agree with it within fp8 rounding, forward and backward (registry probe, tests).
 Both matmuls are custom ops (`flux_kernels::fp8_mm` with its autograd formula, `flux_kernels::fp8_dgrad`): that
 is what lets torch.compile recompute them under sd-scripts' gradient checkpointing instead of keeping their outputs
-(see fp8_mm). Inside torch.compile (kernels=auto compiles the blocks) the forward quantisation is plain PyTorch in
-the graph, fused by inductor into the op producing the activations (`fp8_mm_quantized`); run eagerly it happens
-inside fp8_mm as one compiled kernel. The backward's is plain PyTorch in the backward graph, where inductor fuses
-it with the op producing the gradient.
+(see fp8_mm). Rows up to WIDE_ROWS wide: inside torch.compile (kernels=auto compiles the blocks) the forward
+quantisation is plain PyTorch in the graph, fused by inductor into the op producing the activations
+(`fp8_mm_quantized`), and run eagerly it happens inside fp8_mm as one compiled kernel; the backward's is plain
+PyTorch in the backward graph, where inductor fuses it with the op producing the gradient. Wider rows (FLUX's MLP
+and single-block activations and gradients, 9216-21504 wide) go through `quantize_rows_op`, a Triton kernel of their
+own, forward and backward (FLUX_KERNELS_FP8_QUANTIZE, quantize_mode_from).
 """
 
 from __future__ import annotations
@@ -42,13 +44,39 @@ SCALE = "_flux_fp8_scale"  # a quantised weight's row scales [N] fp32: a non-per
 TRANSPOSED = "_flux_fp8_t"  # with keep_transposed: the fp8 weight's transpose [K, N], a non-persistent buffer too
 
 
+QUANTIZE_MODES = ("graph", "op", "kernel", "wide")
+WIDE_ROWS = 4096  # with "wide": rows wider than this go through quantize_rows_op
+
+
+def quantize_mode_from(env: Mapping[str, str] = os.environ) -> str:
+    """How activations and incoming gradients are quantised (FLUX_KERNELS_FP8_QUANTIZE), to measure the ways against
+    each other in whole runs:
+      graph   under torch.compile, plain PyTorch in the graph that inductor fuses into the op producing the tensor;
+              eagerly, the activations inside the matmul op (one compiled kernel)
+      op      the activations always inside the matmul op; the gradients as with graph
+      kernel  both through quantize_rows_op, a Triton kernel of its own over the materialised tensor
+      wide    (the default) kernel for rows wider than WIDE_ROWS, graph for the others: inductor fuses a narrow
+              row's amax into its producer as a persistent reduction, but sweeps a wide row twice, recomputing or
+              re-reading the producer's inputs, and the separate kernel is faster there (H200, FLUX: 298.9 against
+              304.8 ms of device time a step; see the README)"""
+    mode = env.get("FLUX_KERNELS_FP8_QUANTIZE", "wide").strip().lower()
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"FLUX_KERNELS_FP8_QUANTIZE={mode!r}: expected one of {', '.join(QUANTIZE_MODES)}")
+    return mode
+
+
 def quantize_in_graph_from(env: Mapping[str, str] = os.environ) -> bool:
-    """Under torch.compile: quantise the activations in the graph (fused with their producer), not inside the op.
-    FLUX_KERNELS_FP8_QUANTIZE=op restores the separate pass, to measure one against the other in whole runs."""
-    return env.get("FLUX_KERNELS_FP8_QUANTIZE", "graph").strip().lower() != "op"
+    """Under torch.compile: quantise the activations in the graph (fused with their producer), not inside the op."""
+    return quantize_mode_from(env) in ("graph", "wide")
 
 
+QUANTIZE = quantize_mode_from()
 QUANTIZE_IN_GRAPH = quantize_in_graph_from()
+
+
+def quantize_by_kernel(width: int) -> bool:
+    """Whether rows this wide go through quantize_rows_op (QUANTIZE)."""
+    return QUANTIZE == "kernel" or (QUANTIZE == "wide" and width > WIDE_ROWS)
 
 
 def fp8_capable(capability: tuple[int, int] | None) -> bool:
@@ -59,7 +87,7 @@ def fp8_capable(capability: tuple[int, int] | None) -> bool:
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] fp32) with x ~= x8 * scale; each row's amax maps to 448."""
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
-    scale = amax / E4M3_MAX
+    scale = amax * (1.0 / E4M3_MAX)  # as CUDA divides by a scalar (and inductor too): the same bits on every device
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
@@ -113,6 +141,45 @@ def fp8_dgrad(g8: Tensor, sg: Tensor, w8: Tensor, wt8: Tensor | None = None) -> 
 @fp8_dgrad.register_fake
 def _(g8: Tensor, sg: Tensor, w8: Tensor, wt8: Tensor | None = None) -> Tensor:
     return g8.new_empty((g8.shape[0], w8.shape[1]), dtype=torch.bfloat16)
+
+
+def quantize_launch(k: int) -> tuple[int, int]:
+    """tl_quantize's (columns per sweep step, warps) for rows k wide: the fastest measured on an H200 at FLUX's
+    widths (4608 x 21504: 102 us at 4096/16 against 119 at 2048/8; 15360 and 12288 wide: 2048/8; 3072: 1024/4,
+    15 us against 19). Fewer, wider programs keep the rows of the second sweep in L2."""
+    if k <= 4096:
+        return 1024, 4
+    return (2048, 8) if k <= 16384 else (4096, 16)
+
+
+@torch.library.custom_op("flux_kernels::quantize_rows", mutates_args=())
+def quantize_rows_op(x: Tensor, col: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """quantize_rows(x.float() * col) for a 2-D x (col: one fp32 scale per column, or None) as one Triton kernel
+    that reads x from DRAM once (tl_quantize), plain PyTorch where Triton does not run. A custom op, so inside
+    torch.compile it stays a kernel of its own over the materialised x, instead of the row reduction inductor
+    fuses into x's producer, which recomputes the producer in a looped two-sweep reduction."""
+    from flux_kernels.device import triton_interpreting, triton_runs_on
+
+    if not triton_runs_on(x):
+        return quantize_rows(x.float() * col.reshape(1, -1) if col is not None else x)
+    from flux_kernels.tl_quantize import quantize_rows_2d
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, k = x.shape
+    out = torch.empty((rows, k), dtype=E4M3, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    col_flat = None if col is None else col.reshape(-1).float().contiguous()
+    block, warps = quantize_launch(k)
+    quantize_rows_2d[(rows,)](
+        x, x if col_flat is None else col_flat, out, scale, k, x.stride(0), E4M3_MAX=E4M3_MAX,
+        HAS_COL=col_flat is not None, BLOCK=block, RTNE=triton_interpreting(), num_warps=warps,
+    )  # fmt: skip
+    return out, scale
+
+
+@quantize_rows_op.register_fake
+def _(x: Tensor, col: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape, dtype=E4M3), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
 _quantize_compiled = None
@@ -170,7 +237,7 @@ def _fp8_mm_backward(ctx, dy: Tensor):
     w8, sw, wt8 = ctx.saved_tensors
     # dy @ (diag(sw) W8) = (dy * sw) @ W8: the row scales folded into dy before it is quantised; plain PyTorch, so
     # inductor fuses it with whatever produced dy
-    g8, sg = quantize_rows(dy.float() * sw)
+    g8, sg = quantize_rows_op(dy, sw) if quantize_by_kernel(dy.shape[-1]) else quantize_rows(dy.float() * sw)
     return (fp8_dgrad(g8, sg, w8, wt8).to(ctx.x_dtype),) + (None,) * (ctx.n_inputs - 1)
 
 
@@ -188,7 +255,10 @@ def fp8_linear(
     n, k = w8.shape
     sw = torch.ones(1, n, device=x.device) if w_scale is None else w_scale.to(x.device, torch.float32).view(1, n)
     x2 = x.reshape(-1, k)
-    if QUANTIZE_IN_GRAPH and torch.compiler.is_compiling():
+    if quantize_by_kernel(k):
+        x8, sx = quantize_rows_op(x2.detach())
+        y = fp8_mm_quantized(x2, x8, sx, w8, sw, w8_t)
+    elif QUANTIZE_IN_GRAPH and torch.compiler.is_compiling():
         x8, sx = quantize_rows(x2.detach())
         y = fp8_mm_quantized(x2, x8, sx, w8, sw, w8_t)
     else:

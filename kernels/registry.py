@@ -291,8 +291,9 @@ def attention_check(info: DeviceInfo) -> tuple[bool, str]:
     return True, f"backends work here (at 67 tokens: {name}); chosen at the run's shape at its first forward"
 
 
-def fp8_example(device, dtype, M=37, K=64, N=96):
-    """Activations [2, M, K] and a weight quantised per row (exercises the scale folding in backward)."""
+def fp8_example(device, dtype, M=5, K=fp8.WIDE_ROWS + 16, N=fp8.WIDE_ROWS + 16):
+    """Activations [2, M, K] and a weight quantised per row (exercises the scale folding in backward); rows wider
+    than fp8.WIDE_ROWS, so the forward and the input gradient quantise through the Triton row kernel where it runs."""
     gen = torch.Generator().manual_seed(0)
     x = _rand(2, M, K, device=device, dtype=dtype, gen=gen, offset=0.1)
     w8, scale = fp8.quantize_weight(torch.randn(N, K, generator=gen) * 0.05)

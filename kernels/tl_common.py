@@ -1,4 +1,4 @@
-"""Shared Triton helpers (imported only through `fast.py`, lazily)."""
+"""Shared Triton helpers (imported only by the tl_* kernel modules, themselves imported lazily)."""
 
 import triton
 import triton.language as tl
@@ -20,6 +20,11 @@ def _add(a, b):
     return a + b
 
 
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
 def _std_lib_compiled_only() -> bool:
     """triton.language's own @jit helpers (tl.sum, tl.zeros) are decorated when triton is first imported. If that
     happened before TRITON_INTERPRET was set (another test or library in the same process), they are compiled-only
@@ -38,9 +43,19 @@ if _std_lib_compiled_only():
         """`tl.sum` from the core `tl.reduce` (slow under the interpreter, but callable there)."""
         return tl.reduce(x, axis, _add)
 
+    @triton.jit
+    def largest(x, axis: tl.constexpr):
+        """`tl.max` from the core `tl.reduce`."""
+        return tl.reduce(x, axis, _max)
+
 else:
 
     @triton.jit
     def total(x, axis: tl.constexpr):
         """`tl.sum` (the fp32 tiles here need no dtype promotion)."""
         return tl.sum(x, axis=axis)
+
+    @triton.jit
+    def largest(x, axis: tl.constexpr):
+        """`tl.max`."""
+        return tl.max(x, axis=axis)

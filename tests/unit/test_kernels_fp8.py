@@ -113,10 +113,53 @@ def test_quantising_in_the_graph_keeps_nothing_more_for_backward():
     assert in_graph == in_op < x.numel()  # the row scales of the weight at most: no activation-sized tensor
 
 
-def test_the_environment_can_put_the_quantisation_back_inside_the_op():
-    assert fp8.quantize_in_graph_from({}) is True
+def test_the_environment_chooses_how_tensors_are_quantised():
+    assert fp8.quantize_mode_from({}) == "wide" and fp8.quantize_in_graph_from({}) is True
     assert fp8.quantize_in_graph_from({"FLUX_KERNELS_FP8_QUANTIZE": " Op"}) is False
     assert fp8.quantize_in_graph_from({"FLUX_KERNELS_FP8_QUANTIZE": "graph"}) is True
+    assert fp8.quantize_mode_from({"FLUX_KERNELS_FP8_QUANTIZE": "Kernel "}) == "kernel"
+    with pytest.raises(ValueError, match="FLUX_KERNELS_FP8_QUANTIZE='fused': expected one of graph, op, kernel, wide"):
+        fp8.quantize_mode_from({"FLUX_KERNELS_FP8_QUANTIZE": "fused"})
+
+
+@pytest.mark.parametrize("mode", ["kernel", "wide"])
+def test_compiled_graphs_quantise_through_the_kernel_where_the_mode_says(monkeypatch, mode):
+    """Two fp8 Linears, 64 -> 96 -> 48, compiled. FLUX_KERNELS_FP8_QUANTIZE=kernel: the forward and backward graphs
+    AOT autograd hands inductor quantise every tensor through flux_kernels::quantize_rows, leaving no amax for
+    inductor to fuse. wide (here with rows wider than 80 counted wide): only the 96-wide rows, the hidden
+    activation forward and its gradient backward, while the 64-wide input and the 48-wide output gradient stay plain
+    ops in the graph. The results are the eager path's, bit for bit."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    gen = torch.Generator().manual_seed(5)
+    (w1, s1), (w2, s2) = _weights("quantized", 96, 64, gen), _weights("quantized", 48, 96, gen)
+    x = (torch.randn(2, 37, 64, generator=gen) + 0.1).bfloat16().requires_grad_()
+    dy = torch.randn(2, 37, 48, generator=gen).bfloat16()
+
+    def f(x):
+        return fp8.fp8_linear(torch.nn.functional.gelu(fp8.fp8_linear(x, w1, s1)), w2, s2)
+
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    monkeypatch.setattr(fp8, "QUANTIZE", mode)
+    monkeypatch.setattr(fp8, "QUANTIZE_IN_GRAPH", mode == "wide")
+    monkeypatch.setattr(fp8, "WIDE_ROWS", 80)
+    torch._dynamo.reset()
+    results = []
+    for fn in (f, torch.compile(f, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)):
+        y = fn(x)
+        results.append((y, *torch.autograd.grad(y, x, dy)))
+    torch._dynamo.reset()
+    (y_eager, dx_eager), (y, dx) = results
+    assert torch.equal(y, y_eager) and torch.equal(dx, dx_eager)
+    assert len(graphs) == 2  # forward, backward
+    for g in graphs:
+        ops = g.count("target=torch.ops.flux_kernels.quantize_rows.default]")
+        assert (ops, "amax" in g) == ((2, False) if mode == "kernel" else (1, True)), g
 
 
 def test_quantize_rows_keeps_each_rows_range_and_a_zero_row():

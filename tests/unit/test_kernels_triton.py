@@ -279,10 +279,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flux_kernels import tl_modulate as tm
 from flux_kernels import tl_qk_norm_rope as tq
+from flux_kernels import tl_quantize as tz
 from flux_kernels import tl_transpose as tt
 
 U8 = {"src_ptr", "dst_ptr"}
-F32 = {"pe_ptr", "mean_ptr", "rstd_ptr", "dqw_ptr", "dkw_ptr", "dsc_part_ptr", "dsh_part_ptr", "dg_part_ptr"}
+F32 = {"pe_ptr", "mean_ptr", "rstd_ptr", "dqw_ptr", "dkw_ptr", "dsc_part_ptr", "dsh_part_ptr", "dg_part_ptr", "col_ptr",
+       "scale_ptr"}
+FP8 = {"out_ptr"}  # tl_quantize's output
 ODD = {"L", "H", "l_off", "rows_per_prog", "n_progs", "eps"}  # not multiples of 16 in general
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
@@ -292,7 +295,7 @@ def sig(fn, consts):
         if n in consts:
             return "constexpr"
         if n.endswith("_ptr"):
-            return "*u8" if n in U8 else "*fp32" if n in F32 else "*bf16"
+            return "*u8" if n in U8 else "*fp32" if n in F32 else "*fp8e4nv" if n in FP8 else "*bf16"
         return "fp32" if n == "eps" else "i32"
 
     return {n: ty(n) for n in fn.arg_names}
@@ -315,13 +318,16 @@ cases = [  # (kernel, constexprs, num_warps as flux_kernels._launch launches the
     (tm.gated_modulate_fwd, row, 8),
     (tm.gated_modulate_bwd, {**row, "HAS_DRES": True, "COMPUTE_DG": True, "COMPUTE_DSS": True}, 16),
     (tt.transpose_2d, dict(BLOCK_R=64, BLOCK_C=64), 4),  # fp8.TRANSPOSE_TILE, triton's default warps
+    *((tz.quantize_rows_2d, dict(E4M3_MAX=448.0, HAS_COL=True, BLOCK=b, RTNE=False), w)  # fp8.quantize_launch
+      for b, w in ((1024, 4), (2048, 8), (4096, 16))),
 ]
 for cap in map(int, sys.argv[1:]):
     for fn, consts, warps in cases:
         src = ASTSource(fn, sig(fn, consts), consts, attrs(fn, consts))
         k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": warps})
         ptx = k.asm["ptx"]
-        assert "ld.global.v4" in ptx and "st.global.v4" in ptx, (cap, fn.__name__, "no 16-byte loads/stores")
+        store = "st.global.v2" if fn is tz.quantize_rows_2d else "st.global.v4"  # 8 fp8 values per thread: 8 bytes
+        assert "ld.global.v4" in ptx and store in ptx, (cap, fn.__name__, "no 16-byte loads or full-width stores")
         if cap == 90:
             with tempfile.TemporaryDirectory() as d:
                 Path(d, "k.ptx").write_text(ptx)
@@ -341,6 +347,49 @@ def test_fp8_transpose_is_the_exact_transpose(dev, rows, cols):
     got = fp8.transpose(w8)
     assert got.dtype == fp8.E4M3 and got.shape == (cols, rows) and got.is_contiguous()
     assert torch.equal(got.view(torch.uint8), w8.t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "with_col"), [(6, 700, True), (5, 1000, False), (4, 3001, True), (3, 5000, False)]
+)
+def test_fp8_quantize_rows_op_matches_quantize_rows(dev, rows, cols, with_col):
+    """The Triton row quantisation (one sweep where the row fits in a block, two otherwise) against quantize_rows,
+    on a strided view with a zero row, a row reaching into e4m3's subnormals and values at its rounding ties'
+    neighbourhood: the same scales and fp8 values (compared as numbers: the interpreter drops the sign of zero)."""
+    from flux_kernels import fp8
+
+    gen = torch.Generator().manual_seed(rows * cols)
+    x = (torch.randn(rows, cols + 3, generator=gen) * 7).bfloat16()[:, :cols]
+    x[1] = 0
+    x[2] *= torch.logspace(-6, 0, cols).bfloat16()
+    col = torch.rand(1, cols, generator=gen) + 0.5 if with_col else None
+    got8, got_s = fp8.quantize_rows_op(x.to(dev), None if col is None else col.to(dev))
+    want8, want_s = fp8.quantize_rows(x.float() * col if with_col else x)
+    assert got8.dtype == fp8.E4M3 and got8.shape == x.shape and got_s.shape == (rows, 1)
+    assert torch.equal(got_s.cpu(), want_s)
+    assert torch.equal(got8.cpu().float(), want8.float())
+    assert (want8.float() != 0).float().mean() > 0.5  # most values survive: the comparison is not of zeros
+
+
+def test_fp8_probe_runs_the_row_kernel_and_rejects_it_broken(dev, monkeypatch):
+    """fp8_matmul's probe quantises rows wider than fp8.WIDE_ROWS, forward and backward, so on a device where the
+    Triton row kernel runs, the probe runs it: a kernel returning a wrong scale is rejected."""
+    from flux_kernels import fp8
+    from flux_kernels.registry import REGISTRY, probe
+
+    calls = []
+    real = fp8.quantize_rows_op
+
+    def counted(x, col=None):
+        calls.append(x.shape)
+        return real(x, col)
+
+    monkeypatch.setattr(fp8, "quantize_rows_op", counted)
+    assert probe(REGISTRY["fp8_matmul"], dev).ok
+    assert len(calls) == 2 and all(shape[-1] > fp8.WIDE_ROWS for shape in calls)  # the activations, the gradient
+    monkeypatch.setattr(fp8, "quantize_rows_op", lambda x, col=None: (lambda q, s: (q, s * 1.5))(*real(x, col)))
+    verdict = probe(REGISTRY["fp8_matmul"], dev)
+    assert not verdict.ok and "reference" in verdict.reason
 
 
 def test_kernels_compile_to_cubin_for_hopper_and_blackwell_without_a_gpu(tmp_path):
