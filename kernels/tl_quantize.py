@@ -25,6 +25,22 @@ def to_e4m3(x, RTNE: tl.constexpr):
 
 
 @triton.jit
+def _row_values(src, col_ptr, k, K, HAS_COL: tl.constexpr):
+    """The row's fp32 values at columns k (times their column scales, with HAS_COL), and which of k are inside."""
+    inside = k < K
+    v = tl.load(src + k, mask=inside, other=0.0).to(tl.float32)
+    if HAS_COL:
+        v = v * tl.load(col_ptr + k, mask=inside, other=0.0)
+    return v, inside
+
+
+@triton.jit
+def _store_e4m3(dst, k, v, s, inside, E4M3_MAX: tl.constexpr, RTNE: tl.constexpr):
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -E4M3_MAX), E4M3_MAX)
+    tl.store(dst + k, to_e4m3(q, RTNE), mask=inside)
+
+
+@triton.jit
 def quantize_rows_2d(
     x_ptr,
     col_ptr,
@@ -46,30 +62,17 @@ def quantize_rows_2d(
     src = x_ptr + row * stride_x
     dst = out_ptr + row * K
     if BLOCK >= K:  # the whole row in registers: one sweep
-        inside = offs < K
-        v = tl.load(src + offs, mask=inside, other=0.0).to(tl.float32)
-        if HAS_COL:
-            v = v * tl.load(col_ptr + offs, mask=inside, other=0.0)
+        v, inside = _row_values(src, col_ptr, offs, K, HAS_COL)
         s = tl.maximum(largest(tl.abs(v), 0), 1e-12) * (1.0 / E4M3_MAX)
         tl.store(scale_ptr + row, s)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -E4M3_MAX), E4M3_MAX)
-        tl.store(dst + offs, to_e4m3(q, RTNE), mask=inside)
+        _store_e4m3(dst, offs, v, s, inside, E4M3_MAX, RTNE)
     else:
         amax = tl.full([BLOCK], 0.0, tl.float32)
         for k0 in range(0, K, BLOCK):
-            k = k0 + offs
-            inside = k < K
-            v = tl.load(src + k, mask=inside, other=0.0).to(tl.float32)
-            if HAS_COL:
-                v = v * tl.load(col_ptr + k, mask=inside, other=0.0)
+            v, _ = _row_values(src, col_ptr, k0 + offs, K, HAS_COL)
             amax = tl.maximum(amax, tl.abs(v))
         s = tl.maximum(largest(amax, 0), 1e-12) * (1.0 / E4M3_MAX)
         tl.store(scale_ptr + row, s)
         for k0 in range(0, K, BLOCK):
-            k = k0 + offs
-            inside = k < K
-            v = tl.load(src + k, mask=inside, other=0.0).to(tl.float32)
-            if HAS_COL:
-                v = v * tl.load(col_ptr + k, mask=inside, other=0.0)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -E4M3_MAX), E4M3_MAX)
-            tl.store(dst + k, to_e4m3(q, RTNE), mask=inside)
+            v, inside = _row_values(src, col_ptr, k0 + offs, K, HAS_COL)
+            _store_e4m3(dst, k0 + offs, v, s, inside, E4M3_MAX, RTNE)
