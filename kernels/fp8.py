@@ -56,9 +56,9 @@ def quantize_mode_from(env: Mapping[str, str] = os.environ) -> str:
       op      the activations always inside the matmul op; the gradients as with graph
       kernel  both through quantize_rows_op, a Triton kernel of its own over the materialised tensor
       wide    (the default) kernel for rows wider than WIDE_ROWS, graph for the others: inductor fuses a narrow
-              row's amax into its producer as a persistent reduction, but sweeps a wide row twice, recomputing or
-              re-reading the producer's inputs, and the separate kernel is faster there (H200, FLUX: 298.9 against
-              304.8 ms of device time a step; see the README)"""
+              row's amax into its producer as a persistent reduction, but a wide row's into a looped reduction
+              that sweeps it twice, and the separate kernel is faster there (H200, FLUX: 298.9 against 304.8 ms
+              of device time a step; see the README)"""
     mode = env.get("FLUX_KERNELS_FP8_QUANTIZE", "wide").strip().lower()
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"FLUX_KERNELS_FP8_QUANTIZE={mode!r}: expected one of {', '.join(QUANTIZE_MODES)}")
@@ -157,7 +157,8 @@ def quantize_rows_op(x: Tensor, col: Tensor | None = None) -> tuple[Tensor, Tens
     """quantize_rows(x.float() * col) for a 2-D x (col: one fp32 scale per column, or None) as one Triton kernel
     that reads x from DRAM once (tl_quantize), plain PyTorch where Triton does not run. A custom op, so inside
     torch.compile it stays a kernel of its own over the materialised x, instead of the row reduction inductor
-    fuses into x's producer, which recomputes the producer in a looped two-sweep reduction."""
+    fuses into x's producer (for wide rows a looped reduction sweeping each row twice, which measured slower than
+    the producer alone plus this kernel)."""
     from flux_kernels.device import triton_interpreting, triton_runs_on
 
     if not triton_runs_on(x):
@@ -235,8 +236,8 @@ def _fp8_mm_setup(ctx, inputs, output) -> None:
 
 def _fp8_mm_backward(ctx, dy: Tensor):
     w8, sw, wt8 = ctx.saved_tensors
-    # dy @ (diag(sw) W8) = (dy * sw) @ W8: the row scales folded into dy before it is quantised; plain PyTorch, so
-    # inductor fuses it with whatever produced dy
+    # dy @ (diag(sw) W8) = (dy * sw) @ W8: the row scales folded into dy before it is quantised; for narrow rows
+    # plain PyTorch, which inductor fuses with whatever produced dy, for wide ones the Triton row kernel
     g8, sg = quantize_rows_op(dy, sw) if quantize_by_kernel(dy.shape[-1]) else quantize_rows(dy.float() * sw)
     return (fp8_dgrad(g8, sg, w8, wt8).to(ctx.x_dtype),) + (None,) * (ctx.n_inputs - 1)
 
