@@ -79,6 +79,19 @@ def lora_flux(fm):
     return importlib.import_module("networks.lora_flux")
 
 
+def cpu_row_scales() -> bool:
+    """Whether this torch's CPU _scaled_mm takes one scale per row (torch 2.11's takes per-tensor scales only): the
+    fp8 path's CPU tests need it."""
+    import torch
+
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def flux_block_pair(fm, hidden: int, heads: int, std: float):
     """One sd-scripts DoubleStreamBlock + one SingleStreamBlock with seeded random (never zero) weights, frozen."""
     import torch

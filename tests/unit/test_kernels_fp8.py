@@ -13,20 +13,9 @@ import torch
 from flux_kernels import fp8, patch, registry
 from flux_kernels.reference import saved_bytes
 from flux_kernels.registry import FP8_TOLERANCE, REGISTRY, KernelSpec, Selection, probe
-from tests.conftest import flux_block_pair
+from tests.conftest import cpu_row_scales, flux_block_pair
 
 HIDDEN, HEADS = 256, 2
-
-
-def cpu_row_scales() -> bool:
-    """Whether this torch's CPU _scaled_mm takes one scale per row (torch 2.11's takes per-tensor scales only)."""
-    a = torch.ones(16, 16).to(fp8.E4M3)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-    except RuntimeError:
-        return False
-    return True
-
 
 pytestmark = pytest.mark.skipif(
     not cpu_row_scales(), reason="this torch's CPU _scaled_mm takes no per-row scales, which these CPU tests need"

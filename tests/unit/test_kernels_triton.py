@@ -376,7 +376,7 @@ def test_fp8_probe_runs_the_row_kernel_and_rejects_it_broken(dev, monkeypatch):
     Triton row kernel runs, the probe runs it: a kernel returning a wrong scale is rejected."""
     from flux_kernels import fp8
     from flux_kernels.registry import REGISTRY, probe
-    from tests.unit.test_kernels_fp8 import cpu_row_scales
+    from tests.conftest import cpu_row_scales
 
     if dev.type == "cpu" and not cpu_row_scales():
         pytest.skip("this torch's CPU _scaled_mm takes no per-row scales, which the fp8 probe needs")
