@@ -7,8 +7,10 @@ and runner as training, for several presets / kernel sets / resolutions; a table
 
 Step time is measured the same way for flux-train and for plain sd-scripts (`--baseline`): the wall time
 between successive `loss/current` TensorBoard events, which sd-scripts writes once per optimizer step after
-`loss.item()` has synchronised the device. Peak memory: torch's peak allocated (our `vram/peak_gib` tag) and
-the peak NVML reading of the whole card, polled while the run lasts (plain sd-scripts has only the latter).
+`loss.item()` has waited for the device (for the whole step; with flux-train's `train.sync_free`, the default, for
+that step's forward: either way once a step, so the events are a step apart). Peak memory: torch's peak
+allocated (our `vram/peak_gib` tag) and the peak NVML reading of the whole card, polled while the run lasts (plain
+sd-scripts has only the latter).
 """
 
 from __future__ import annotations

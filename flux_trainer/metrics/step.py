@@ -6,9 +6,12 @@ sd-scripts' ``step_logging`` hands to ``accelerator.log`` - so our tags land in 
 ``loss/*`` and ``lr/*``.
 
 Nothing here synchronises the device (no ``torch.cuda.synchronize``, no ``.item()``): a sync per step would
-cost throughput to measure throughput. sd-scripts already waits for the GPU every step (``loss.detach().item()``
-before logging), so wall-clock time between successive ``on_step_end`` calls is the real step time. It includes
-whatever sd-scripts does between steps (sampling, saving), which then shows up as a spike, as it should.
+cost throughput to measure throughput. sd-scripts' loop waits for the GPU once every step before logging: for the
+whole step (its ``loss.detach().item()``), or with ``train.sync_free`` for that step's forward only (the loss's
+copy, flux_trainer.sdscripts.step_values). Either way each step end is paced by the device, so wall-clock time
+between successive ``on_step_end`` calls is the real step time (averaged over steps; with sync_free a single
+reading can move by how much of the step the host ran ahead). It includes whatever sd-scripts does between steps
+(sampling, saving), which then shows up as a spike, as it should.
 """
 
 from __future__ import annotations

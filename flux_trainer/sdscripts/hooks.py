@@ -45,6 +45,7 @@ class RunHooks:
         self._accumulation = 1
         self._retries_warned = False
         self._ids: tuple[Any, Any] | None = None  # (sd-scripts' prepare_img_ids, its kept-on-device stand-in)
+        self.norms = None  # train.sync_free: the network's norm means, logged once on the host (step_values)
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
@@ -79,6 +80,17 @@ class RunHooks:
 
             self._ids = (build, kept_on(device, build))
         return self._ids[1]
+
+    def loss_made(self, loss: Any) -> Any:
+        """What sd-scripts' `process_batch` returns to its loop: with train.sync_free, the loss with its value
+        already on its way to the host, so the loop's `loss.detach().item()` does not wait for the backward."""
+        import torch
+
+        from flux_trainer.sdscripts.step_values import early_loss
+
+        if not getattr(self.spec, "sync_free", True) or not isinstance(loss, torch.Tensor):
+            return loss
+        return early_loss(loss)
 
     def optimizer_created(self, optimizer: Any) -> None:
         """sd-scripts just built the optimizer (before its LR scheduler wraps the step): optimizer kernels go in."""
@@ -132,6 +144,8 @@ class RunHooks:
                 log.info("lora_grad_norms: the network's grad_norms() (norm/avg_grad_norm) from the batched norms")
             if (ggpo := lora_norms.install_norm_loops(network)) is not None:
                 log.info("lora_grad_norms: the network's weight-norm loops over the %d modules with GGPO", ggpo)
+        if self._micro_steps == 1 and network is not None and getattr(self.spec, "sync_free", True):
+            self.defer_norms(accelerator, network)
         if self.fit is not None and self._unet is not None:
             if self._micro_steps == 1 and (line := self.fit.start(self._unet)):
                 log.info(line)
@@ -159,6 +173,21 @@ class RunHooks:
                     ]
                 }
 
+    def defer_norms(self, accelerator: Any, network: Any) -> None:
+        """train.sync_free: the network's per-step norm means reach TensorBoard once they are on the host, at their
+        own step, instead of the loop waiting for them (step_values.DeferredNorms). They are kept only where
+        sd-scripts would log them: the main process, with TensorBoard."""
+        from flux_trainer.sdscripts.step_values import DeferredNorms
+
+        keep = self.metrics is not None and getattr(accelerator, "is_main_process", True)
+        self.norms = DeferredNorms(keep=keep)
+        if names := self.norms.install(network):
+            log.info(
+                "sync-free steps: the loss read from a copy made at the forward, %s logged once on the host "
+                "(train.sync_free)",
+                ", ".join(f"{n}()" for n in names),
+            )
+
     def report_compiling(self, step: int) -> None:
         """After the first step: the compile caches' outcomes and the seconds spent compiling. After a later step
         that compiled more (selective checkpointing's plan at the second step, a new bucket shape): what it compiled."""
@@ -176,6 +205,9 @@ class RunHooks:
         save (which once passed for 456 syncs per step: the LoRA's tensors copied to the CPU)."""
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
+        if self.norms is not None:
+            self.norms.label(global_step)
+            self.norms.flush(lambda values, step: accelerator.log(values, step=step))
         if "compile_blocks" in self.kernels_installed:
             self.report_compiling(global_step)
         if "cuda_graphs" in self.kernels_installed and global_step == GRAPHS_CHECKED_AT:
@@ -206,6 +238,13 @@ class RunHooks:
             self._retries_warned = True
             log.warning(alloc_retries_message(tags["vram/alloc_retries"], global_step, self.fit))
         return tags
+
+    def step_logged(self, accelerator: Any, global_step: int) -> None:
+        """After sd-scripts logged the step (main process): at the last step, the norm means still on their way
+        to the host are waited for and written, before sd-scripts closes TensorBoard. Not earlier, so the last
+        step's `loss/current` event keeps the time its forward ended, like every other step's."""
+        if self.norms is not None and self._max_steps and global_step >= self._max_steps:
+            self.norms.flush(lambda values, step: accelerator.log(values, step=step), wait=True)
 
     def offloaded(self, global_step: int) -> dict[str, float]:
         """activation_offload's step: `memory/offloaded_gib` (what the last forward sent to host memory), and after

@@ -4,7 +4,8 @@
 the run dir (written by the parent), puts the checkout on sys.path, parses the TOML with sd-scripts' own
 `setup_parser()` and `read_config_from_file`, and calls `train(args)` on our subclass. The subclass only
 overrides sd-scripts' hook methods: model loaded (random presets, kernels), step start/end (metrics), the step's
-noise prediction (position ids kept on the device with flux_prologue); kernels whose target is the trainer
+noise prediction (position ids kept on the device with flux_prologue), the loss it returns (read without a sync,
+train.sync_free); kernels whose target is the trainer
 (flux_kernels.single_process) wrap its methods on the instance.
 """
 
@@ -40,6 +41,7 @@ class RunnerSpec:
     metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
     tf32: bool = False
     pin_memory: bool = True  # train.pin_memory: pinned batches, non-blocking copies (hooks.pin_batches)
+    sync_free: bool = True  # train.sync_free: the loop's per-step reads without waiting for the step (step_values)
     # memory.checkpoint_skip with what decides it: {"checkpoint_skip", "tier_gib", "blocked"} (checkpoint_fit)
     memory: dict[str, Any] = field(default_factory=lambda: {"checkpoint_skip": "0"})
 
@@ -112,6 +114,9 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
                 self.flux_train.step_start(accelerator, network)
             return super().on_step_start(args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train)
 
+        def process_batch(self, *args, **kwargs):
+            return self.flux_train.loss_made(super().process_batch(*args, **kwargs))
+
         def get_noise_pred_and_target(self, args, accelerator, *rest, **kwargs):
             # the image position ids sd-scripts builds on the host every step: kept on the device with flux_prologue
             build = mods.flux_utils.prepare_img_ids
@@ -129,6 +134,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
         def step_logging(self, accelerator, logs, global_step, epoch):
             logs.update(self.flux_train.step_end(accelerator, logs, global_step))
             super().step_logging(accelerator, logs, global_step, epoch)
+            self.flux_train.step_logged(accelerator, global_step)
 
     return FluxTrainTrainer
 

@@ -121,7 +121,10 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     assert texts["run/kernels"] == "flux_prologue, lora_grad_norms, prodigy_step, single_process_reduce"
     assert "flux_kernels installed flux_prologue:" in (run_dir / "train.log").read_text()
     assert "flux_kernels installed single_process_reduce" in (run_dir / "train.log").read_text()
+    # train.sync_free (the default): sd-scripts' grad-norm mean is logged from its host copy, under its own step
+    assert [s for s, _ in scalars["norm/avg_grad_norm"]] == [1, 2]
     assert all(v > 0 for _, v in scalars["norm/avg_grad_norm"])
+    assert "sync-free steps: the loss read from a" in (run_dir / "train.log").read_text()
     assert "lora_grad_norms: 13 LoRA modules" in " ".join((run_dir / "train.log").read_text().split())
 
 
