@@ -84,12 +84,12 @@ def install(model: nn.Module, **opts) -> str:
 
 def _fused_ops(blocks: list[nn.Module]) -> list[str]:
     """The fused Triton ops patched into these blocks (which take their reference path when traced)."""
-    from flux_kernels.patch import ATTR, BLOCK_OPS
+    from flux_kernels.patch import ATTR, TRITON_BLOCK_OPS
 
     ops = next((getattr(b, ATTR) for b in blocks if hasattr(b, ATTR)), None)
     if ops is None:
         return []
-    return [name for name in BLOCK_OPS if name != "attention" and getattr(ops, name)]
+    return [name for name in TRITON_BLOCK_OPS if getattr(ops, name)]
 
 
 def _hold_run_backend(block: nn.Module) -> None:

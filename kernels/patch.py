@@ -21,6 +21,9 @@ operations in sd-scripts' order; each fused step is swapped in only where its sw
   * gated_residual: `x + gate * y` with one rounding.
   * gated_modulate: in the double block, the residual update after attention and the modulated LayerNorm of
     its result that feeds the MLP, in one kernel (the residual is recomputed in backward, not kept).
+  * single_qkv: in the single block, linear1's output to q, k, v and GELU(mlp) as `flux_kernels.single_qkv`: the
+    same ops in the same order forward (QKNorm, RoPE, the MLP's GELU moved before attention, which does not read
+    it), a backward written out for inductor. Plain PyTorch, not a Triton kernel.
 With every switch off the patched forward is bit-identical to sd-scripts' (a unit test checks this against
 sd-scripts' blocks), and `verify_blocks` checks the installed result against the original on tiny inputs.
 """
@@ -40,12 +43,14 @@ from torch import Tensor, nn
 
 from flux_kernels import fast, reference
 from flux_kernels.attention import heads_to_tokens
+from flux_kernels.single_qkv import single_qkv
 
 log = logging.getLogger(__name__)
 
 ATTR = "_flux_kernels"
 RUN_PROBE = "_flux_kernels_attention_probe"  # the model's forward pre-hook handle (attention at the real shape)
-BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention")
+BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention", "single_qkv")
+TRITON_BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate")  # fast.py's fused Triton ops
 DOUBLE_ATTRS = ("img_mod", "txt_mod", "img_norm1", "txt_norm1", "img_attn", "txt_attn", "img_norm2", "txt_norm2",
                 "img_mlp", "txt_mlp", "num_heads")  # fmt: skip
 DOUBLE_PARAMS = ("self", "img", "txt", "vec", "pe", "txt_attention_mask")
@@ -67,6 +72,7 @@ class BlockOps:
     gated_residual: bool = False
     gated_modulate: bool = False
     attention: Callable | None = None  # (q, k, v, mask) -> [B, H, L, D]; None = plain SDPA as sd-scripts
+    single_qkv: bool = False
 
     def mod(self, x: Tensor, shift: Tensor, scale: Tensor, norm: nn.Module) -> Tensor:
         if self.modulate:
@@ -142,13 +148,25 @@ def _single_forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask
     ops: BlockOps = getattr(self, ATTR)
     mod, _ = self.modulation(vec)
     x_mod = ops.mod(x, mod.shift, mod.scale, self.pre_norm)
-    qkv, mlp = torch.split(self.linear1(x_mod), [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
-    q, k, v = _heads(qkv, self.num_heads)
-    q, k = ops.qk([(q, k, v, self.norm)], pe)
+    lin1 = self.linear1(x_mod)
+    if ops.single_qkv and not ops.qk_norm_rope and _gelu_tanh(self.mlp_act):
+        norm = self.norm
+        q, k, v, act = single_qkv(lin1, norm.query_norm.scale, norm.key_norm.scale, pe, self.num_heads,
+                                  3 * self.hidden_size)  # fmt: skip
+    else:
+        qkv, mlp = torch.split(lin1, [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
+        q, k, v = _heads(qkv, self.num_heads)
+        q, k = ops.qk([(q, k, v, self.norm)], pe)
+        act = None
     rest = x.shape[1] - (txt_attention_mask.shape[1] if txt_attention_mask is not None else 0)
     attn = ops.attend(q, k, v, _mask(txt_attention_mask, rest, q))
-    output = self.linear2(torch.cat((attn, self.mlp_act(mlp)), 2))
+    output = self.linear2(torch.cat((attn, self.mlp_act(mlp) if act is None else act), 2))
     return ops.gated(x, mod.gate, output)
+
+
+def _gelu_tanh(m: nn.Module) -> bool:
+    """The single block's MLP activation is what single_qkv computes (sd-scripts': nn.GELU(approximate="tanh"))."""
+    return type(m) is nn.GELU and m.approximate == "tanh"
 
 
 def _is_plain_layernorm(m) -> bool:

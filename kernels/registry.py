@@ -35,6 +35,7 @@ from flux_kernels import (
     prologue,
     reference,
     single_process,
+    single_qkv,
 )
 from flux_kernels import selective_checkpoint as sac
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
@@ -255,6 +256,15 @@ def qk_example(device, dtype, B=2, H=3, D=128, lt=3, li=5):
     return segs, reference.make_pe(1, lt + li, D, device=device, generator=gen)
 
 
+def single_qkv_example(device, dtype, B=2, H=3, D=128, L=7, mlp=40):
+    """linear1's output of a single block ([B, L, 3 * H * D + mlp]: qkv then the MLP input) as a non-leaf, as the
+    block hands it over; the norm scales frozen, as in a LoRA run."""
+    gen = torch.Generator().manual_seed(0)
+    lin1 = _rand(B, L, 3 * H * D + mlp, device=device, dtype=dtype, gen=gen) * 1.0
+    scales = [_rand(D, device=device, dtype=dtype, gen=gen, scale=0.2, offset=1.0, grad=False) for _ in range(2)]
+    return lin1, *scales, reference.make_pe(B, L, D, device=device, generator=gen), H, 3 * H * D
+
+
 def modulate_example(device, dtype, B=2, L=7, C=96):
     gen = torch.Generator().manual_seed(0)
     x = _rand(B, L, C, device=device, dtype=dtype, gen=gen, scale=2.0, offset=0.5)
@@ -417,6 +427,17 @@ REGISTRY: dict[str, KernelSpec] = {
             fast=functools.partial(fast.gated_modulate, fallback=False),
             example=gated_modulate_example,
             in_auto=False,  # opt-in until bench_kernels --blocks shows compiled+kernels beating compile_blocks
+        ),
+        KernelSpec(
+            "single_qkv",
+            "single blocks: linear1's output to q, k, v (QKNorm, RoPE) and the MLP's GELU as one autograd function "
+            "whose backward is written out, so inside compiled blocks every part of linear1's gradient is written "
+            "straight into its slice (plain PyTorch; the forward is sd-scripts' op for op)",
+            compile_applies,
+            functools.partial(patch.install_block_op, op="single_qkv"),
+            reference=single_qkv.reference_single_qkv,
+            fast=single_qkv.single_qkv,
+            example=single_qkv_example,
         ),
         KernelSpec(
             "fp8_matmul",

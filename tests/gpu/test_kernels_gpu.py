@@ -406,3 +406,35 @@ def test_compile_blocks_with_the_fused_ops_at_two_shapes_match_eager(dev, fm):
         compile_blocks.remove(model)
         patch.remove_kernels(model)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_compiled_single_blocks_with_single_qkv_at_two_shapes_match_eager(dev, fm, checkpointed):
+    """single_qkv's written-out backward inside compiled single blocks, as training runs them (CUDA graphs aside):
+    at two shapes (the second traced with dynamic shapes), checkpointed or not, with the checkpointed blocks' RNG
+    state on the host where this torch caches that (compile_blocks' choice), against the eager patched block."""
+    from flux_kernels import compile_blocks, single_qkv
+
+    model = flux_blocks(fm, dev)
+    patch.apply_kernels(model, unchecked(["attention", "single_qkv"]))
+    block = model.single_blocks[0].train()
+    if checkpointed:
+        block.enable_gradient_checkpointing()
+    shapes = [(512, 1024), (64, 256)]
+    calls = []
+    original = single_qkv._SingleQKV.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(single_qkv._SingleQKV, "apply", lambda *a: calls.append(1) or original(*a))
+        eager = [outs_and_grads(block, block_inputs(dev, "single", lt=lt, li=li)) for lt, li in shapes]
+    assert calls, "the eager block did not go through single_qkv"
+    torch._dynamo.reset()
+    try:
+        assert "inductor's code inside" not in compile_blocks.install(model)
+        for (lt, li), want in zip(shapes, eager, strict=True):
+            got = outs_and_grads(block, block_inputs(dev, "single", lt=lt, li=li))
+            errors = [rel(g, w) for g, w in zip(got, want, strict=True)]
+            assert max(errors) <= 2e-2, ((lt, li), errors)
+    finally:
+        compile_blocks.remove(model)
+        patch.remove_kernels(model)
+        torch._dynamo.reset()
