@@ -384,6 +384,14 @@ def test_l2_persisting_window_is_set_inside_and_removed_after(dev):
     assert l2.stream_window(stream).num_bytes == 0
 
 
+def assert_matches_at_shapes(block, dev, kind, shapes, eager):
+    """`block` at each (lt, li) of `shapes`, outputs and input gradients, against `eager` (the same, before)."""
+    for (lt, li), want in zip(shapes, eager, strict=True):
+        got = outs_and_grads(block, block_inputs(dev, kind, lt=lt, li=li))
+        errors = [rel(g, w) for g, w in zip(got, want, strict=True)]
+        assert max(errors) <= 2e-2, ((lt, li), errors)
+
+
 def test_compile_blocks_with_the_fused_ops_at_two_shapes_match_eager(dev, fm):
     """compile_blocks with the fused ops patched in: a double block that meets a second shape (another bucket)
     matches the eager patched block (fused kernels) at both shapes, outputs and input gradients. With the fused ops
@@ -399,10 +407,7 @@ def test_compile_blocks_with_the_fused_ops_at_two_shapes_match_eager(dev, fm):
     torch._dynamo.reset()
     try:
         assert "inductor's code inside the compiled blocks" in compile_blocks.install(model)
-        for (lt, li), want in zip(shapes, eager, strict=True):
-            got = outs_and_grads(block, block_inputs(dev, "double", lt=lt, li=li))
-            errors = [rel(g, w) for g, w in zip(got, want, strict=True)]
-            assert max(errors) <= 2e-2, ((lt, li), errors)
+        assert_matches_at_shapes(block, dev, "double", shapes, eager)
     finally:
         compile_blocks.remove(model)
         patch.remove_kernels(model)
@@ -431,10 +436,7 @@ def test_compiled_single_blocks_with_single_qkv_at_two_shapes_match_eager(dev, f
     torch._dynamo.reset()
     try:
         assert "inductor's code inside" not in compile_blocks.install(model)
-        for (lt, li), want in zip(shapes, eager, strict=True):
-            got = outs_and_grads(block, block_inputs(dev, "single", lt=lt, li=li))
-            errors = [rel(g, w) for g, w in zip(got, want, strict=True)]
-            assert max(errors) <= 2e-2, ((lt, li), errors)
+        assert_matches_at_shapes(block, dev, "single", shapes, eager)
     finally:
         compile_blocks.remove(model)
         patch.remove_kernels(model)
