@@ -107,12 +107,6 @@ class BlockOps:
         return heads_to_tokens(x)
 
 
-def _heads(qkv: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """einops' "B L (K H D) -> K B H L D", K=3, as views."""
-    q, k, v = qkv.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4)
-    return q, k, v
-
-
 def _mask(txt_attention_mask: Tensor | None, rest: int, q: Tensor) -> Tensor | None:
     """sd-scripts' mask: text padding mask, all image tokens kept, broadcast to every head and query."""
     if txt_attention_mask is None:
@@ -126,10 +120,10 @@ def _double_forward(self, img: Tensor, txt: Tensor, vec: Tensor, pe: Tensor, txt
     ops: BlockOps = getattr(self, ATTR)
     img_mod1, img_mod2 = self.img_mod(vec)
     txt_mod1, txt_mod2 = self.txt_mod(vec)
-    img_q, img_k, img_v = _heads(self.img_attn.qkv(ops.mod(img, img_mod1.shift, img_mod1.scale, self.img_norm1)),
-                                 self.num_heads)  # fmt: skip
-    txt_q, txt_k, txt_v = _heads(self.txt_attn.qkv(ops.mod(txt, txt_mod1.shift, txt_mod1.scale, self.txt_norm1)),
-                                 self.num_heads)  # fmt: skip
+    img_qkv = self.img_attn.qkv(ops.mod(img, img_mod1.shift, img_mod1.scale, self.img_norm1))
+    txt_qkv = self.txt_attn.qkv(ops.mod(txt, txt_mod1.shift, txt_mod1.scale, self.txt_norm1))
+    img_q, img_k, img_v = reference.heads(img_qkv, self.num_heads)
+    txt_q, txt_k, txt_v = reference.heads(txt_qkv, self.num_heads)
     q, k = ops.qk([(txt_q, txt_k, txt_v, self.txt_attn.norm), (img_q, img_k, img_v, self.img_attn.norm)], pe)
     v = torch.cat((txt_v, img_v), dim=2)
     attn = ops.attend(q, k, v, _mask(txt_attention_mask, img.shape[1], q))
@@ -155,7 +149,7 @@ def _single_forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask
                                   3 * self.hidden_size)  # fmt: skip
     else:
         qkv, mlp = torch.split(lin1, [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
-        q, k, v = _heads(qkv, self.num_heads)
+        q, k, v = reference.heads(qkv, self.num_heads)
         q, k = ops.qk([(q, k, v, self.norm)], pe)
         act = None
     rest = x.shape[1] - (txt_attention_mask.shape[1] if txt_attention_mask is not None else 0)

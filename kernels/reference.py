@@ -17,6 +17,12 @@ from torch import Tensor
 EPS = 1e-6  # sd-scripts hard-codes 1e-6 in RMSNorm and passes eps=1e-6 to every LayerNorm of the blocks
 
 
+def heads(qkv: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """sd-scripts' einops `rearrange(qkv, "B L (K H D) -> K B H L D", K=3)`, as views: q, k, v."""
+    q, k, v = qkv.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4)
+    return q, k, v
+
+
 def rms_norm(x: Tensor, scale: Tensor, eps: float = EPS) -> Tensor:
     """sd-scripts `RMSNorm.forward`: fp32 inside, scale applied in fp32, one rounding back to x's dtype."""
     x_dtype = x.dtype

@@ -29,16 +29,10 @@ from flux_kernels import reference
 EPS = reference.EPS
 
 
-def _heads(qkv: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """einops' "B L (K H D) -> K B H L D", K=3, as views."""
-    q, k, v = qkv.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4)
-    return q, k, v
-
-
 def reference_single_qkv(lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int):
     """sd-scripts' single block from linear1's output: (q, k, v, GELU(mlp)), q and k normalised and rotated."""
     qkv, mlp = torch.split(lin1, [width, lin1.shape[-1] - width], dim=-1)
-    q, k, v = _heads(qkv, num_heads)
+    q, k, v = reference.heads(qkv, num_heads)
     q, k = reference.qk_norm_rope(q, k, q_scale, k_scale, pe)
     return q, k, v, F.gelu(mlp, approximate="tanh")
 
@@ -65,7 +59,7 @@ def _tokens(t: Tensor) -> Tensor:
 class _SingleQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int):
-        q, k, v = _heads(lin1[..., :width], num_heads)
+        q, k, v = reference.heads(lin1[..., :width], num_heads)
         normed, rrms = [], []
         for x, scale in ((q, q_scale), (k, k_scale)):  # reference.rms_norm, keeping 1/rms for the backward
             xf = x.float()
@@ -80,7 +74,7 @@ class _SingleQKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_act: Tensor):
         lin1, q_scale, k_scale, pe, rq, rk = ctx.saved_tensors
-        q, k, _ = _heads(lin1[..., : ctx.width], ctx.num_heads)
+        q, k, _ = reference.heads(lin1[..., : ctx.width], ctx.num_heads)
         # apply_rope took the normalised values rounded to lin1's dtype: its gradient is rounded the same way
         dq_normed, dk_normed = _rope_backward(dq, pe).to(lin1.dtype), _rope_backward(dk, pe).to(lin1.dtype)
         parts = (
