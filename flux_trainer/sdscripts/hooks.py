@@ -207,7 +207,7 @@ class RunHooks:
             self.profile_written(accelerator)
         if self.norms is not None:
             self.norms.label(global_step)
-            self.norms.flush(lambda values, step: accelerator.log(values, step=step))
+            self.norms.flush(accelerator.log)
         if "compile_blocks" in self.kernels_installed:
             self.report_compiling(global_step)
         if "cuda_graphs" in self.kernels_installed and global_step == GRAPHS_CHECKED_AT:
@@ -244,7 +244,7 @@ class RunHooks:
         to the host are waited for and written, before sd-scripts closes TensorBoard. Not earlier, so the last
         step's `loss/current` event keeps the time its forward ended, like every other step's."""
         if self.norms is not None and self._max_steps and global_step >= self._max_steps:
-            self.norms.flush(lambda values, step: accelerator.log(values, step=step), wait=True)
+            self.norms.flush(accelerator.log, wait=True)
 
     def offloaded(self, global_step: int) -> dict[str, float]:
         """activation_offload's step: `memory/offloaded_gib` (what the last forward sent to host memory), and after

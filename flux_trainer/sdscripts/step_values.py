@@ -101,7 +101,8 @@ class _Pending:
 class DeferredNorms:
     """The LoRA network's per-step norm methods, deferred: each call computes what sd-scripts' method computes,
     queues its mean to the host and returns None. `label(step)` gives the values queued since the last label their
-    step; `flush(write)` hands each labelled value that has reached the host to `write({tag: value}, step)`, in the
+    step; `flush(write)` hands each labelled value that has reached the host to `write({tag: value}, step=step)`
+    (accelerate's `Accelerator.log`), in the
     order they were made. Without a `write` (no TensorBoard), nothing is queued at all."""
 
     def __init__(self, keep: bool = True) -> None:
@@ -152,6 +153,6 @@ class DeferredNorms:
         done = 0
         while self.pending and self.pending[0].step is not None and (wait or self.pending[0].copy.ready()):
             p = self.pending.pop(0)
-            write({p.tag: float(p.copy.value().item())}, p.step)
+            write({p.tag: float(p.copy.value().item())}, step=p.step)
             done += 1
         return done

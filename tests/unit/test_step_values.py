@@ -93,7 +93,7 @@ def test_deferred_norms_give_the_loop_none_and_log_the_same_means_at_their_steps
     for step in (1, 2, 3):
         assert loop_step(net) == {"weight": None, "grad": None, "combined": None}
         norms.label(step)
-        norms.flush(lambda values, s: written.append((s, values)))
+        norms.flush(lambda values, step: written.append((step, values)))
     assert written == [
         (s, {tag: pytest.approx(want[s - 1][key], rel=1e-6)})
         for s in (1, 2, 3)
@@ -110,12 +110,12 @@ def test_values_wait_for_their_copies_in_order_unless_told_to_wait(monkeypatch):
     norms.install(net)
     written = []
     net.grad_norms()
-    assert norms.flush(lambda v, s: written.append(s)) == 0  # not labelled yet: no step to write it under
+    assert norms.flush(lambda v, step: written.append(step)) == 0  # not labelled yet: no step to write it under
     norms.label(4)
     net.grad_norms()  # the next step's, made before step 4's copy landed
-    assert norms.flush(lambda v, s: written.append(s)) == 0 and written == []
+    assert norms.flush(lambda v, step: written.append(step)) == 0 and written == []
     norms.label(5)
-    assert norms.flush(lambda v, s: written.append(s), wait=True) == 2 and written == [4, 5]
+    assert norms.flush(lambda v, step: written.append(step), wait=True) == 2 and written == [4, 5]
     assert norms.pending == []
 
 
