@@ -4,6 +4,7 @@ and runner as training, for several presets / kernel sets / resolutions; a table
     flux-train bench --cases memory=vram80 memory=vram48 --kernels off auto --steps 20 --baseline
     flux-train bench --cases memory=vram24 --vram-cap 24      # prove a 24 GB card's preset on a bigger card
     flux-train bench --cases memory=vram48 --kernels off fp8+kernels.cuda_graphs=true   # one set's own overrides
+    flux-train bench --kernels fp8 "fp8+kernels.set='auto,fp8_matmul,-single_qkv'" --abba   # A B B A
 
 Step time is measured the same way for flux-train and for plain sd-scripts (`--baseline`): the wall time
 between successive `loss/current` TensorBoard events, which sd-scripts writes once per optimizer step after
@@ -358,6 +359,33 @@ def table(results: list[BenchResult]) -> str:
     return "\n".join(lines)
 
 
+def abba_summary(first: list[BenchResult], second: list[BenchResult]) -> list[dict]:
+    """Each case's s/step in both passes (the second ran in reverse order) and their mean, and that mean over the
+    first case's. Over the two passes a drift that is linear in time (clocks, temperature, caches filling) adds
+    the same to every case's mean, so it cancels out of the comparison."""
+    rows = []
+    for a, b in zip(first, second, strict=True):
+        both = (a.s_per_step, b.s_per_step)
+        rows.append({"case": a.case, "s_per_step_1": both[0], "s_per_step_2": both[1],
+                     "mean": None if None in both else (both[0] + both[1]) / 2})  # fmt: skip
+    ref = rows[0]["mean"] if rows else None
+    for row in rows:
+        row["vs_first"] = None if ref is None or row["mean"] is None else row["mean"] / ref
+    return rows
+
+
+def abba_table(rows: list[dict]) -> str:
+    def f(v, spec=".4f"):
+        return "-" if v is None else format(v, spec)
+
+    head = f"{'case':<36} {'pass 1':>7} {'pass 2':>7} {'mean':>7} {'vs 1st':>7}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['case'][:36]:<36} {f(r['s_per_step_1'])} {f(r['s_per_step_2'])} {f(r['mean'])} "
+                     f"{f(r['vs_first'], '.3f'):>7}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def bench_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="flux-train bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -368,24 +396,37 @@ def bench_main(argv: list[str]) -> int:
         default=["memory=vram80"],
         help="override sets, '+' joins several: memory=vram48 memory=vram24+precision=fp8_base",
     )
-    ap.add_argument("--kernels", nargs="+", default=["off"], help="kernel sets: off auto ...; '+' adds overrides "
-                    "for that set alone (fp8+kernels.cuda_graphs=true); with several, each case's per-step loss and "
-                    "final LoRA are compared with the first set's (same seed and data)")
+    ap.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["off"],
+        help="kernel sets: off auto ...; '+' adds overrides "
+        "for that set alone (fp8+kernels.cuda_graphs=true); with several, each case's per-step loss and "
+        "final LoRA are compared with the first set's (same seed and data)",
+    )
     ap.add_argument("--resolution", nargs="+", type=int, default=[1024])
     ap.add_argument("--model", default="random", help="random (full size, default) or random_tiny")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="measured steps after the warm-up")
     ap.add_argument("--baseline", action="store_true", help="also run plain sd-scripts on each case's TOMLs")
-    ap.add_argument("--vram-cap", help="limit the training process to this many GiB of device memory; 'tier': each "
-                    "case's memory=vramNN tier's own NN GiB")
+    ap.add_argument(
+        "--vram-cap",
+        help="limit the training process to this many GiB of device memory; 'tier': each "
+        "case's memory=vramNN tier's own NN GiB",
+    )
     ap.add_argument("--root", type=Path, default=Path("runs") / "bench", help="where the bench runs go")
     ap.add_argument("--json", type=Path, help="write the results here (default <root>/bench-<time>.json)")
+    ap.add_argument("--abba", action="store_true", help="run every case twice, the second pass in reverse order "
+                    "(A B B A), and compare the cases' mean s/step over both passes")  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every case")
     ns = ap.parse_args(argv)
     root = ns.root.resolve()
     results, plan = [], cases(ns.cases, ns.kernels, ns.resolution)
-    ours = []
-    for name, overrides, res in plan:
+    ours, again = [], []
+    runs = [(name, overrides, res, 1) for name, overrides, res in plan]
+    if ns.abba:  # the second pass in reverse order, its runs named <case>_2 (the baseline runs in the first only)
+        runs += [(f"{name}_2", overrides, res, 2) for name, overrides, res in reversed(plan)]
+    for name, overrides, res, run_pass in runs:
         cap = case_cap(ns.vram_cap, overrides)
         if cap:
             os.environ[VRAM_CAP_ENV] = str(cap)
@@ -394,12 +435,16 @@ def bench_main(argv: list[str]) -> int:
         print(f"[flux-train bench] {name}: {' '.join(overrides)} at {res}px, VRAM cap {cap or 'none'}", flush=True)
         results.append(run_case(name, overrides, res, ns, root))
         results[-1].notes.append(f"vram_cap_gib={cap}")
-        ours.append(results[-1])
-        if ns.baseline and results[-1].run_dir:
+        (ours if run_pass == 1 else again).append(results[-1])
+        baseline = ns.baseline and run_pass == 1 and results[-1].run_dir
+        if baseline:
             results.append(run_baseline(results[-1], ns))
-        print(table(results[-2 if ns.baseline else -1 :]), flush=True)
+        print(table(results[-2 if baseline else -1 :]), flush=True)
     text = table(results)
     print("\n" + text)
+    abba = abba_summary(ours, again[::-1]) if ns.abba else None
+    if abba:
+        print(f"\nA B B A: each case's s/step in both passes and their mean\n{abba_table(abba)}")
     if len(ns.kernels) > 1:
         compare_kernel_sets(ours, plan, ns.kernels[0])
         print(f"\nnumerics against kernels={ns.kernels[0]} (same seed and data; 1st step +s: its compute time minus "
@@ -413,6 +458,7 @@ def bench_main(argv: list[str]) -> int:
                 "warmup": ns.warmup,
                 "steps": ns.steps,
                 "results": [asdict(r) for r in results],
+                **({"abba": abba} if abba else {}),
             },
             indent=1,
         )

@@ -77,6 +77,43 @@ def test_cases_expand_the_product():
     assert name == "vram48_k-fp8_true_1024"
 
 
+def test_abba_runs_the_second_pass_in_reverse_and_compares_the_means(tmp_path, monkeypatch, capsys):
+    """A drift that slows every later run by 10% makes the later case look slower in one pass; over A B B A, cases
+    of the same speed come out equal. The baseline runs in the first pass only."""
+    from flux_trainer import bench
+
+    order, baselines = [], []
+
+    def fake_case(name, overrides, res, ns, root):
+        order.append(name)
+        speed = 2.0 if "vram24" in name else 1.0  # vram24 is twice as slow, whatever the drift
+        return bench.BenchResult(case=name, overrides=overrides, exit_code=0, s_per_step=speed * (1 + 0.1 * len(order)),
+                                 run_dir=str(tmp_path / name))  # fmt: skip
+
+    def fake_baseline(ours, ns):
+        baselines.append(ours.case)
+        return bench.BenchResult(case=f"{ours.case}_sd", overrides=[], exit_code=0)
+
+    monkeypatch.setattr(bench, "run_case", fake_case)
+    monkeypatch.setattr(bench, "run_baseline", fake_baseline)
+    out = tmp_path / "b.json"
+    argv = ["--cases", "memory=vram80", "memory=vram48", "memory=vram24", "--json", str(out), "--baseline"]
+    assert bench.bench_main([*argv, "--abba"]) == 0
+    names = ["vram80_k-off_1024", "vram48_k-off_1024", "vram24_k-off_1024"]
+    assert order == [*names, *(f"{n}_2" for n in reversed(names))]
+    assert baselines == names
+    rows = {r["case"]: r for r in json.loads(out.read_text())["abba"]}
+    assert list(rows) == names
+    assert rows["vram48_k-off_1024"]["s_per_step_1"] == pytest.approx(1.2)  # alone, 1.2 / 1.1: "9% slower"
+    assert rows["vram48_k-off_1024"]["s_per_step_2"] == pytest.approx(1.5)
+    assert rows["vram48_k-off_1024"]["vs_first"] == pytest.approx(1.0)
+    assert rows["vram24_k-off_1024"]["vs_first"] == pytest.approx(2.0)
+    assert "A B B A" in capsys.readouterr().out
+    order.clear()
+    assert bench.bench_main(argv) == 0
+    assert order == names and "abba" not in json.loads(out.read_text())
+
+
 def test_case_cap():
     from flux_trainer.bench import case_cap
 
