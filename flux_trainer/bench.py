@@ -201,10 +201,12 @@ def compare_kernel_sets(results: list[BenchResult], plan: list[tuple[str, list[s
                 setattr(r, k, v)
 
 
-def numerics_table(results: list[BenchResult]) -> str:
-    def f(v, spec=".4f"):
-        return "-" if v is None else format(v, spec)
+def _num(v: float | None, spec: str = ".4f") -> str:
+    """A table cell: the number formatted, or '-' where it was not measured."""
+    return "-" if v is None else format(v, spec)
 
+
+def numerics_table(results: list[BenchResult]) -> str:
     head = (f"{'case':<36} {'against':<36} {'loss diff':>9} {'LoRA cos':>8} {'up cos':>8} {'1st step +s':>11}  "
             "lowest up cos (module kind)")  # fmt: skip
     lines = [head, "-" * len(head)]
@@ -212,8 +214,8 @@ def numerics_table(results: list[BenchResult]) -> str:
         if r.compared_to:
             worst = "-" if r.lora_up_min_cosine is None else f"{r.lora_up_min_cosine:.4f} ({r.lora_up_min_group})"
             lines.append(
-                f"{r.case[:36]:<36} {r.compared_to[:36]:<36} {f(r.loss_rel_diff):>9} {f(r.lora_cosine):>8} "
-                f"{f(r.lora_up_cosine):>8} {f(r.step1_extra_s, '.1f'):>11}  {worst}"
+                f"{r.case[:36]:<36} {r.compared_to[:36]:<36} {_num(r.loss_rel_diff):>9} {_num(r.lora_cosine):>8} "
+                f"{_num(r.lora_up_cosine):>8} {_num(r.step1_extra_s, '.1f'):>11}  {worst}"
             )
     return "\n".join(lines)
 
@@ -340,21 +342,19 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
 
 
 def table(results: list[BenchResult]) -> str:
-    def f(v, spec=".3f"):
-        return "-" if v is None else format(v, spec)
-
     head = (
         f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'torch pk':>8} {'card pk':>8} "
         f"{'TFLOP/s':>7} {'MFU':>5} {'1st step':>8} {'+s 1st/2nd':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
-        rng = f"{f(r.s_min)}-{f(r.s_max)}" if r.s_min is not None else "-"
-        extra = f"{f(r.step1_extra_s, '.1f')}/{f(r.step2_extra_s, '.1f')}"
+        rng = f"{_num(r.s_min, '.3f')}-{_num(r.s_max, '.3f')}" if r.s_min is not None else "-"
+        extra = f"{_num(r.step1_extra_s, '.1f')}/{_num(r.step2_extra_s, '.1f')}"
         lines.append(
-            f"{r.case[:36]:<36} {r.exit_code:>4} {f(r.s_per_step):>7} {rng:>13} {f(r.torch_peak_gib, '.1f'):>8} "
-            f"{f(r.card_peak_gib, '.1f'):>8} {f(r.tflops, '.0f'):>7} {f(r.mfu, '.2f'):>5} "
-            f"{f(r.first_step_s, '.0f'):>8} {extra:>11}"
+            f"{r.case[:36]:<36} {r.exit_code:>4} {_num(r.s_per_step, '.3f'):>7} {rng:>13} "
+            f"{_num(r.torch_peak_gib, '.1f'):>8} "
+            f"{_num(r.card_peak_gib, '.1f'):>8} {_num(r.tflops, '.0f'):>7} {_num(r.mfu, '.2f'):>5} "
+            f"{_num(r.first_step_s, '.0f'):>8} {extra:>11}"
         )
     return "\n".join(lines)
 
@@ -375,14 +375,11 @@ def abba_summary(first: list[BenchResult], second: list[BenchResult]) -> list[di
 
 
 def abba_table(rows: list[dict]) -> str:
-    def f(v, spec=".4f"):
-        return "-" if v is None else format(v, spec)
-
     head = f"{'case':<36} {'pass 1':>7} {'pass 2':>7} {'mean':>7} {'vs 1st':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['case'][:36]:<36} {f(r['s_per_step_1'])} {f(r['s_per_step_2'])} {f(r['mean'])} "
-                     f"{f(r['vs_first'], '.3f'):>7}")  # fmt: skip
+        lines.append(f"{r['case'][:36]:<36} {_num(r['s_per_step_1'])} {_num(r['s_per_step_2'])} {_num(r['mean'])} "
+                     f"{_num(r['vs_first'], '.3f'):>7}")  # fmt: skip
     return "\n".join(lines)
 
 
