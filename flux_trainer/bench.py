@@ -378,8 +378,8 @@ def abba_table(rows: list[dict]) -> str:
     head = f"{'case':<36} {'pass 1':>7} {'pass 2':>7} {'mean':>7} {'vs 1st':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['case'][:36]:<36} {_num(r['s_per_step_1'])} {_num(r['s_per_step_2'])} {_num(r['mean'])} "
-                     f"{_num(r['vs_first'], '.3f'):>7}")  # fmt: skip
+        lines.append(f"{r['case'][:36]:<36} {_num(r['s_per_step_1']):>7} {_num(r['s_per_step_2']):>7} "
+                     f"{_num(r['mean']):>7} {_num(r['vs_first'], '.3f'):>7}")  # fmt: skip
     return "\n".join(lines)
 
 
