@@ -325,5 +325,5 @@ def define_ops() -> SimpleNamespace:
     for name, (launcher, fake) in LAUNCHERS.items():
         op = torch.library.custom_op(f"{NS}::{name}", launcher, mutates_args=())
         op.register_fake(fake)
-        ops[name] = op
+        ops[name] = getattr(getattr(torch.ops, NS), name).default  # dynamo traces OpOverload calls (not CustomOpDef)
     return SimpleNamespace(**ops)

@@ -88,9 +88,11 @@ def as_device_info(device: DeviceInfo | torch.device | str | int | dict | None) 
 _triton_found: bool | None = None
 
 
+@torch.compiler.assume_constant_result
 def triton_available() -> bool:
     """True if `import triton` would find a package. Does not import it (that takes a second and is not needed
-    to decide). Looked up once per process: every fast op asks."""
+    to decide). Looked up once per process: every fast op asks. A constant to torch.compile, which would otherwise
+    break the graph at `find_spec` when traced code asks first (single_qkv's forward)."""
     global _triton_found
     if _triton_found is None:
         _triton_found = importlib.util.find_spec("triton") is not None

@@ -73,11 +73,12 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _kernel(name: str, x: Tensor):
-    """The launcher of `name`: its custom op for tensor subclasses such as fake tensors, the plain launcher for
-    plain tensors, where the dispatcher round trip would cost as much CPU time as the kernel takes on the GPU.
-    (Traced code never gets here: the ops take their reference path there, TRACED.)"""
+    """The launcher of `name`: its custom op in traced code and for tensor subclasses such as fake tensors, the
+    plain launcher for plain tensors, where the dispatcher round trip would cost as much CPU time as the kernel
+    takes on the GPU. Dynamo shows traced tensors to Python as plain Tensors: without the op it would trace into
+    the launcher and bake the strides it saw into the graph, which inductor may then lay out differently."""
     launchers, ops = _ops_lib()
-    if type(x) not in _PLAIN:
+    if torch.compiler.is_compiling() or type(x) not in _PLAIN:
         return getattr(ops, name)
     return getattr(launchers, name)
 
