@@ -17,6 +17,7 @@ from torch import Tensor
 
 from flux_kernels import tl_modulate as tm
 from flux_kernels import tl_qk_norm_rope as tq
+from flux_kernels import tl_single_qkv as ts
 from flux_kernels.device import triton_interpreting
 
 NS = "flux_kernels"
@@ -307,6 +308,41 @@ def _gated_modulate_bwd_fake(dres, dout, x, gate, y, scale, mean, rstd, need_dga
     return (torch.empty_like(x), torch.empty_like(y), *f32)
 
 
+# ---- the single block's linear1 gradient -------------------------------------------------------------------------
+
+
+def single_qkv_bwd(
+    dq: Tensor, dk: Tensor, dv: Tensor, lin1: Tensor, rq: Tensor, rk: Tensor, q_scale: Tensor, k_scale: Tensor,
+    pe: Tensor,
+) -> Tensor:  # fmt: skip
+    """A new buffer shaped like linear1's output [B, L, 3 * H * D + M] whose first 3 * H * D columns are linear1's
+    gradient from q, k, v's ([B, H, L, D]), given the forward's 1/rms of q and k ([B, H, L, 1], fp32). The M
+    columns after them are left for the caller (single_qkv writes GELU's gradient there, in place, which inductor
+    fuses with whatever produces that gradient). As a custom op with a flexible layout, it reads the strides of
+    what it gets at run time."""
+    dq, dk, dv, lin1 = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv, lin1))
+    B, L, W = lin1.shape
+    _, H, _, D = dq.shape
+    out = lin1.new_empty(B, L, W)
+    if not (B and L):
+        return out
+    spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
+    bt, bh, warps = _qk_tile(H, D)
+    ts.qkv_bwd[(triton.cdiv(L, bt), triton.cdiv(H, bh), B)](
+        dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, out, L, H,
+        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), rq.stride(0), rq.stride(1), rq.stride(2),
+        rk.stride(0), rk.stride(1), rk.stride(2),
+        lin1.stride(0), lin1.stride(1), out.stride(0), out.stride(1), spe_b, pe.stride(2),
+        D=D, BLOCK_T=bt, BLOCK_H=bh, RTNE=_RTNE, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def _single_qkv_bwd_fake(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe):
+    return lin1.new_empty(lin1.shape)
+
+
 LAUNCHERS = {
     "qk_norm_rope_fwd": (qk_norm_rope_fwd, _qk_fwd_fake),
     "qk_norm_rope_bwd": (qk_norm_rope_bwd, _qk_bwd_fake),
@@ -316,14 +352,18 @@ LAUNCHERS = {
     "gated_residual_bwd": (gated_residual_bwd, _gated_bwd_fake),
     "gated_modulate_fwd": (gated_modulate_fwd, _gated_modulate_fwd_fake),
     "gated_modulate_bwd": (gated_modulate_bwd, _gated_modulate_bwd_fake),
+    "single_qkv_bwd": (single_qkv_bwd, _single_qkv_bwd_fake),
 }
+# inductor may hand these any layout (their launchers read the strides at run time): no copies to match the trace's
+FLEXIBLE = {"single_qkv_bwd"}
 
 
 def define_ops() -> SimpleNamespace:
     """Register every launcher as the custom op `flux_kernels::<name>` with its fake implementation."""
     ops = {}
     for name, (launcher, fake) in LAUNCHERS.items():
-        op = torch.library.custom_op(f"{NS}::{name}", launcher, mutates_args=())
+        tags = (torch.Tag.flexible_layout,) if name in FLEXIBLE else ()
+        op = torch.library.custom_op(f"{NS}::{name}", launcher, mutates_args=(), tags=tags)
         op.register_fake(fake)
         ops[name] = getattr(getattr(torch.ops, NS), name).default  # dynamo traces OpOverload calls (not CustomOpDef)
     return SimpleNamespace(**ops)

@@ -14,6 +14,16 @@ linear1 gradient. In a full-size compiled single block (bf16 matmuls) the Triton
 went from 635 to 497 us (s25c). Gradients agree with autograd's to fp32 rounding (in bf16: identical on small
 inputs, ~2e-3 relative at full size, where the fp32 sums are ordered differently).
 
+Where Triton runs (CUDA, or the CPU interpreter), q, k and v's part of the backward is one Triton kernel instead
+(`tl_single_qkv`; traced code calls it as the custom op `flux_kernels::single_qkv_bwd`, whose launcher reads the
+strides of the tensors it gets at run time), holding each (token, head) row in registers for RMSNorm's row sum;
+GELU's part stays in torch ops, written in place into the kernel's output, so inductor fuses it with what makes its
+input gradient. Inductor's code for the written-out q/k/v algebra needed a reduction pass and a pass per slice
+(s26a: 91 + 30 + 29 + 15 us per block; the kernel: 67-71 us). Whole `vram80 kernels=fp8` runs, A B B A against the
+torch backward (H200): 0.2997 / 0.2990 s/step against 0.3013 / 0.3013. GELU's part must stay in torch ops: with it
+in Triton as well, inductor could no longer fuse the LoRA gradient sum (linear2's frozen + LoRA input gradients)
+into GELU's backward, and that sum's own pass cost what the kernels saved (0.305-0.306 s/step either way).
+
 Used by `flux_kernels.patch` in the single blocks when the `single_qkv` switch is on and the block is what it
 expects (GELU tanh, frozen norm scales); otherwise the block runs sd-scripts' ops.
 """
@@ -24,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flux_kernels import reference
+from flux_kernels import fast, reference
+from flux_kernels.device import triton_runs_on
 
 EPS = reference.EPS
 
@@ -56,6 +67,35 @@ def _tokens(t: Tensor) -> Tensor:
     return t.permute(0, 2, 1, 3).reshape(b, length, h * d)
 
 
+def triton_backward_problem(lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int):
+    """Why the Triton backward cannot take these inputs here (None when it can)."""
+    if not triton_runs_on(lin1.device):
+        return f"no Triton on {lin1.device.type}"
+    if lin1.dim() != 3 or lin1.dtype not in fast.DTYPES:
+        return f"linear1's output {tuple(lin1.shape)} {lin1.dtype} is not [B, L, C] in {fast.DTYPES}"
+    D = width // (3 * num_heads)
+    if width != 3 * num_heads * D or D < 2 or D > 256 or D & (D - 1):
+        return f"head_dim {width / (3 * num_heads)} (must be a power of two from 2 to 256)"
+    B, L, _ = lin1.shape
+    if pe.dim() != 6 or pe.shape[1:] != (1, L, D // 2, 2, 2) or pe.shape[0] not in (1, B):
+        return f"pe shape {tuple(pe.shape)} is not [B|1, 1, {L}, {D // 2}, 2, 2]"
+    if q_scale.shape != (D,) or k_scale.shape != (D,):
+        return f"norm scales must be [{D}]"
+    return None
+
+
+def _triton_backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_act: Tensor) -> Tensor:
+    # No stride or is_contiguous query here: where dynamo traces this backward, one would make it rewrite the
+    # backward with a .contiguous() copy of every incoming gradient (torch._dynamo.config's
+    # _autograd_backward_strict_mode_conditional_banned_ops). The launcher reads the strides at run time.
+    lin1, q_scale, k_scale, pe, rq, rk = ctx.saved_tensors
+    grad = fast._kernel("single_qkv_bwd", lin1)(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe)
+    # GELU's part in place, in torch ops: inductor fuses it with what makes d_act (in a LoRA run, the sum of the
+    # frozen and the LoRA input gradients of linear2) and writes straight into the buffer
+    grad[..., ctx.width :] = torch.ops.aten.gelu_backward(d_act, lin1[..., ctx.width :], approximate="tanh")
+    return grad
+
+
 class _SingleQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int):
@@ -67,12 +107,18 @@ class _SingleQKV(torch.autograd.Function):
             normed.append(((xf * r) * scale.float()).to(x.dtype))
             rrms.append(r)
         q, k = reference.apply_rope(normed[0], normed[1], pe)
+        ctx.triton = triton_backward_problem(lin1, q_scale, k_scale, pe, num_heads, width) is None
+        if ctx.triton:  # what the kernels read: fp32 scales if the model's are fp8, pe as one fp32 block
+            q_scale, k_scale = (fast._scale(s).contiguous() for s in (q_scale, k_scale))
+            pe = pe if pe.dtype == torch.float32 and pe.is_contiguous() else pe.float().contiguous()
         ctx.save_for_backward(lin1, q_scale, k_scale, pe, *rrms)
         ctx.num_heads, ctx.width = num_heads, width
         return q, k, v, F.gelu(lin1[..., width:], approximate="tanh")
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_act: Tensor):
+        if ctx.triton:
+            return _triton_backward(ctx, dq, dk, dv, d_act), None, None, None, None, None
         lin1, q_scale, k_scale, pe, rq, rk = ctx.saved_tensors
         q, k, _ = reference.heads(lin1[..., : ctx.width], ctx.num_heads)
         # apply_rope took the normalised values rounded to lin1's dtype: its gradient is rounded the same way

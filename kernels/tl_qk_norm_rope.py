@@ -79,6 +79,17 @@ def _bwd_tile(
 ):  # fmt: skip
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     rrms = tl.rsqrt(total(x * x, 2) / D + eps)[:, :, None]
+    _bwd_rows(x, rrms, w_ptr, do_ptr, do_offs, dx_ptr, dx_offs, dw_ptr, mask, f00, f01, f10, f11,
+              BLOCK_T, BLOCK_H, D, HALF, COMPUTE_DW, RTNE)  # fmt: skip
+
+
+@triton.jit
+def _bwd_rows(
+    x, rrms, w_ptr, do_ptr, do_offs, dx_ptr, dx_offs, dw_ptr, mask, f00, f01, f10, f11,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, RTNE: tl.constexpr,
+):  # fmt: skip
+    """The backward of rows x ([BLOCK_T, BLOCK_H, D], fp32) given their 1/rms ([BLOCK_T, BLOCK_H, 1])."""
     do = tl.load(do_ptr + do_offs, mask=mask, other=0.0).to(tl.float32)
     de, dd = tl.split(tl.reshape(do, [BLOCK_T, BLOCK_H, HALF, 2]))
     dy = tl.reshape(tl.join(f00 * de + f10 * dd, f01 * de + f11 * dd), [BLOCK_T, BLOCK_H, D])  # R^T dout

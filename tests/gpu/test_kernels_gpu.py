@@ -414,6 +414,24 @@ def test_compile_blocks_with_the_fused_ops_at_two_shapes_match_eager(dev, fm):
         torch._dynamo.reset()
 
 
+def test_single_block_with_single_qkv_compiles_without_graph_breaks(dev, fm):
+    """Dynamo traces single_qkv's autograd function, forward and backward (the Triton backward as its custom op),
+    into the block's graph; a break would run it eagerly between two graphs. Traced code asks first whether triton
+    is installed (device.triton_available, looked up once per process)."""
+    from flux_kernels import device
+
+    device._triton_found = None
+    model = flux_blocks(fm, dev)
+    patch.apply_kernels(model, unchecked(["attention", "single_qkv"]))
+    try:
+        block = model.single_blocks[0].train()
+        explained = torch._dynamo.explain(block.forward)(*block_inputs(dev, "single", lt=64, li=256))
+        assert explained.graph_break_count == 0, explained.break_reasons
+    finally:
+        patch.remove_kernels(model)
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_compiled_single_blocks_with_single_qkv_at_two_shapes_match_eager(dev, fm, checkpointed):
     """single_qkv's written-out backward inside compiled single blocks, as training runs them (CUDA graphs aside):

@@ -1,14 +1,35 @@
-"""single_qkv: the single block's q/k/v + GELU with a written-out backward, against sd-scripts' ops."""
+"""single_qkv: the single block's q/k/v + GELU with a written-out backward, against sd-scripts' ops.
+
+Both backwards are tested: the torch one (what runs where Triton does not) and the Triton kernels (on CPU through
+Triton's interpreter, switched on only inside the `backward` fixture)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
-from flux_kernels import patch, reference, registry, single_qkv
+from flux_kernels import fast, patch, reference, registry, single_qkv
 from flux_kernels.single_qkv import reference_single_qkv
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backward(request, monkeypatch):
+    """Which backward single_qkv takes; the test fails if it took the other one."""
+    calls = []
+    original = single_qkv._triton_backward
+    monkeypatch.setattr(single_qkv, "_triton_backward", lambda *a: calls.append(1) or original(*a))
+    if request.param == "torch":
+        monkeypatch.setattr(single_qkv, "triton_backward_problem", lambda *a: "the torch backward, asked for")
+    else:
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton is not installed: only the torch backward can run")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield request.param
+    assert bool(calls) == (request.param == "triton"), f"the {request.param} backward was not the one used"
 
 
 def inputs(dtype, B=2, H=3, D=128, L=9, mlp=40, seed=0, scale_grad=False):
@@ -28,7 +49,7 @@ def outs_and_grads(fn, args, seed=1):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [dict(), dict(B=1, H=2, D=64, L=5, mlp=8)], ids=["flux_head", "odd"])
-def test_forward_is_sd_scripts_op_for_op_and_the_backward_agrees(dtype, shape):
+def test_forward_is_sd_scripts_op_for_op_and_the_backward_agrees(backward, dtype, shape):
     args = inputs(dtype, **shape)
     (want, dwant), (got, dgot) = outs_and_grads(reference_single_qkv, args), outs_and_grads(single_qkv.single_qkv, args)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
@@ -47,16 +68,86 @@ def test_norm_scales_that_train_take_the_reference_with_their_gradients():
     assert len(dgot) == 3 and all(torch.equal(g, w) for g, w in zip(dgot, dwant, strict=True))
 
 
-def test_the_probe_accepts_it_and_rejects_a_wrong_backward(monkeypatch):
+def test_the_probe_accepts_it_and_rejects_a_wrong_backward(backward, monkeypatch):
     spec = registry.REGISTRY["single_qkv"]
     assert registry.probe(spec, "cpu").ok
 
-    def no_mean_term(d_out, x, rrms, scale):  # RMSNorm's gradient without the normalisation's own part
-        return (rrms * d_out.float() * scale.float()).to(x.dtype)
+    if backward == "torch":
 
-    monkeypatch.setattr(single_qkv, "_rms_norm_backward", no_mean_term)
+        def no_mean_term(d_out, x, rrms, scale):  # RMSNorm's gradient without the normalisation's own part
+            return (rrms * d_out.float() * scale.float()).to(x.dtype)
+
+        monkeypatch.setattr(single_qkv, "_rms_norm_backward", no_mean_term)
+    else:
+        launchers, _ = fast._ops_lib()
+        original = launchers.single_qkv_bwd
+
+        def scales_swapped(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe):
+            return original(dq, dk, dv, lin1, rq, rk, k_scale, q_scale, pe)
+
+        monkeypatch.setattr(launchers, "single_qkv_bwd", scales_swapped)
     result = registry.probe(spec, "cpu")
     assert not result.ok and "gradient 0" in result.reason
+
+
+def test_the_triton_backward_reads_the_strides_it_gets(monkeypatch):
+    """Traced code may hand the launcher other layouts than eager code (the custom op's layout is flexible):
+    q, k, v's gradients laid out [B, L, H, D], as the attention backward gives them, and lin1 a slice of a wider
+    buffer. The launcher writes q, k, v's columns; the MLP's are the caller's."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    lin1, q_scale, k_scale, pe, heads, width = inputs(torch.float32, B=2, H=2, D=64, L=6, mlp=24)
+    lin1 = torch.cat((lin1.detach(), torch.randn(*lin1.shape[:2], 5)), -1)[..., : lin1.shape[-1]]
+    B, L, _ = lin1.shape
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(B, L, heads, width // 3 // heads, generator=gen).permute(0, 2, 1, 3) for _ in range(3)]
+    q, k, _ = reference.heads(lin1[..., :width], heads)
+    rq, rk = (torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + single_qkv.EPS) for t in (q, k))
+    launchers, _ = fast._ops_lib()
+    got = launchers.single_qkv_bwd(*grads, lin1, rq, rk, q_scale, k_scale, pe)
+    with torch.enable_grad():
+        x = lin1.clone().requires_grad_()
+        outs = reference_single_qkv(x, q_scale, k_scale, pe, heads, width)
+        want = torch.autograd.grad(outs[:3], x, grads)[0]
+    assert got.shape == want.shape
+    assert reference.max_rel_err(got[..., :width], want[..., :width]) <= TOL[torch.float32]
+
+
+def test_traced_code_calls_the_custom_op_on_the_gradients_as_they_come(monkeypatch):
+    """Dynamo shows traced tensors to Python as plain Tensors: fast._kernel must still give it the custom op, or
+    dynamo traces into the launcher and bakes the strides it saw into the graph. And the backward must not ask a
+    tensor for its strides, or dynamo rewrites it to copy every gradient contiguous first: q's gradient here comes
+    laid out [B, L, H, D] (through a permute), as the attention backward gives it in the blocks."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from torch._dynamo.backends.common import aot_autograd
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backward_graphs = []
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: backward_graphs.append(gm) or gm)
+    args = inputs(torch.float32, B=1, L=5)
+
+    def permuted_q(*a):
+        q, k, v, act = single_qkv.single_qkv(*a)
+        return q.permute(0, 2, 1, 3) * 1.5, k, v, act
+
+    def permuted_q_reference(*a):
+        q, k, v, act = reference_single_qkv(*a)
+        return q.permute(0, 2, 1, 3) * 1.5, k, v, act
+
+    torch._dynamo.reset()
+    try:
+        (_, want), (_, got) = (
+            outs_and_grads(permuted_q_reference, args),
+            outs_and_grads(torch.compile(permuted_q, backend=backend), args),
+        )
+    finally:
+        torch._dynamo.reset()
+    code = "\n".join(gm.code for gm in backward_graphs)
+    assert "flux_kernels.single_qkv_bwd" in code and "triton_kernel_wrapper" not in code, code
+    assert "aten.clone" not in code, code
+    assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
 
 
 def _single_block_model(fm, dtype, act=None):
@@ -76,7 +167,7 @@ def _run_single(model, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_patched_single_block_matches_sd_scripts(fm, dtype):
+def test_patched_single_block_matches_sd_scripts(fm, backward, dtype):
     model = _single_block_model(fm, dtype)
     want = _run_single(model, dtype)
     assert patch.install_block_op(model, op="single_qkv") == "single_qkv: 1 double + 1 single blocks"

@@ -280,11 +280,12 @@ from triton.compiler import ASTSource
 from flux_kernels import tl_modulate as tm
 from flux_kernels import tl_qk_norm_rope as tq
 from flux_kernels import tl_quantize as tz
+from flux_kernels import tl_single_qkv as ts
 from flux_kernels import tl_transpose as tt
 
 U8 = {"src_ptr", "dst_ptr"}
 F32 = {"pe_ptr", "mean_ptr", "rstd_ptr", "dqw_ptr", "dkw_ptr", "dsc_part_ptr", "dsh_part_ptr", "dg_part_ptr", "col_ptr",
-       "scale_ptr"}
+       "scale_ptr", "rq_ptr", "rk_ptr"}
 FP8 = {"out_ptr"}  # tl_quantize's output
 ODD = {"L", "H", "l_off", "rows_per_prog", "n_progs", "eps"}  # not multiples of 16 in general
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -311,6 +312,7 @@ row = dict(BLOCK_C=4096, RTNE=False)  # hidden 3072
 cases = [  # (kernel, constexprs, num_warps as flux_kernels._launch launches them)
     (tq.qk_norm_rope_fwd, qk, 8),
     (tq.qk_norm_rope_bwd, {**qk, "COMPUTE_DW": True}, 8),
+    (ts.qkv_bwd, qk, 8),
     (tm.modulate_fwd, row, 8),
     (tm.modulate_bwd, {**row, "COMPUTE_DSS": True}, 16),
     (tm.gated_fwd, row, 8),
