@@ -23,7 +23,8 @@ operations in sd-scripts' order; each fused step is swapped in only where its sw
     its result that feeds the MLP, in one kernel (the residual is recomputed in backward, not kept).
   * single_qkv: in the single block, linear1's output to q, k, v and GELU(mlp) as `flux_kernels.single_qkv`: the
     same ops in the same order forward (QKNorm, RoPE, the MLP's GELU moved before attention, which does not read
-    it), a backward written out for inductor. Plain PyTorch, not a Triton kernel.
+    it), a backward written out for inductor; q, k and v's part of it one Triton kernel where Triton runs and
+    the block is not checkpointed (there it measured slower).
 With every switch off the patched forward is bit-identical to sd-scripts' (a unit test checks this against
 sd-scripts' blocks), and `verify_blocks` checks the installed result against the original on tiny inputs.
 """
@@ -145,8 +146,9 @@ def _single_forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask
     lin1 = self.linear1(x_mod)
     if ops.single_qkv and not ops.qk_norm_rope and _gelu_tanh(self.mlp_act):
         norm = self.norm
+        checkpointed = self.training and getattr(self, "gradient_checkpointing", False)
         q, k, v, act = single_qkv(lin1, norm.query_norm.scale, norm.key_norm.scale, pe, self.num_heads,
-                                  3 * self.hidden_size)  # fmt: skip
+                                  3 * self.hidden_size, triton_bwd=not checkpointed)  # fmt: skip
     else:
         qkv, mlp = torch.split(lin1, [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
         q, k, v = reference.heads(qkv, self.num_heads)

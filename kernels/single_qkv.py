@@ -23,6 +23,9 @@ input gradient. Inductor's code for the written-out q/k/v algebra needed a reduc
 torch backward (H200): 0.2997 / 0.2990 s/step against 0.3013 / 0.3013. GELU's part must stay in torch ops: with it
 in Triton as well, inductor could no longer fuse the LoRA gradient sum (linear2's frozen + LoRA input gradients)
 into GELU's backward, and that sum's own pass cost what the kernels saved (0.305-0.306 s/step either way).
+Checkpointed blocks keep the torch backward: at the checkpointed fp8-base tier (`memory=vram24 kernels=offload`),
+B A A B against it, the Triton one measured 0.3846 / 0.3853 s/step against 0.3790 / 0.3796, card peak
+16.7-16.8 against 16.4 GiB (not profiled yet).
 
 Used by `flux_kernels.patch` in the single blocks when the `single_qkv` switch is on and the block is what it
 expects (GELU tanh, frozen norm scales); otherwise the block runs sd-scripts' ops.
@@ -98,7 +101,9 @@ def _triton_backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_act: Tensor) -> 
 
 class _SingleQKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int):
+    def forward(
+        ctx, lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int, triton_bwd: bool
+    ):
         q, k, v = reference.heads(lin1[..., :width], num_heads)
         normed, rrms = [], []
         for x, scale in ((q, q_scale), (k, k_scale)):  # reference.rms_norm, keeping 1/rms for the backward
@@ -107,7 +112,7 @@ class _SingleQKV(torch.autograd.Function):
             normed.append(((xf * r) * scale.float()).to(x.dtype))
             rrms.append(r)
         q, k = reference.apply_rope(normed[0], normed[1], pe)
-        ctx.triton = triton_backward_problem(lin1, q_scale, k_scale, pe, num_heads, width) is None
+        ctx.triton = triton_bwd and triton_backward_problem(lin1, q_scale, k_scale, pe, num_heads, width) is None
         if ctx.triton:  # what the kernels read: fp32 scales if the model's are fp8, pe as one fp32 block
             q_scale, k_scale = (fast._scale(s).contiguous() for s in (q_scale, k_scale))
             pe = pe if pe.dtype == torch.float32 and pe.is_contiguous() else pe.float().contiguous()
@@ -118,7 +123,7 @@ class _SingleQKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_act: Tensor):
         if ctx.triton:
-            return _triton_backward(ctx, dq, dk, dv, d_act), None, None, None, None, None
+            return _triton_backward(ctx, dq, dk, dv, d_act), None, None, None, None, None, None
         lin1, q_scale, k_scale, pe, rq, rk = ctx.saved_tensors
         q, k, _ = reference.heads(lin1[..., : ctx.width], ctx.num_heads)
         # apply_rope took the normalised values rounded to lin1's dtype: its gradient is rounded the same way
@@ -129,12 +134,15 @@ class _SingleQKV(torch.autograd.Function):
             _tokens(dv),
             torch.ops.aten.gelu_backward(d_act, lin1[..., ctx.width :], approximate="tanh"),
         )
-        return torch.cat(parts, dim=-1), None, None, None, None, None
+        return torch.cat(parts, dim=-1), None, None, None, None, None, None
 
 
-def single_qkv(lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int):
+def single_qkv(
+    lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int, triton_bwd: bool = True
+):
     """`reference_single_qkv` with the written-out backward. The norm scales are taken as constants: with a scale
-    that needs a gradient (a run training the norms) this is the reference itself."""
+    that needs a gradient (a run training the norms) this is the reference itself. `triton_bwd=False` keeps the
+    torch backward where Triton could run (checkpointed blocks, where the Triton one measured slower)."""
     if q_scale.requires_grad or k_scale.requires_grad:
         return reference_single_qkv(lin1, q_scale, k_scale, pe, num_heads, width)
-    return _SingleQKV.apply(lin1, q_scale, k_scale, pe, num_heads, width)
+    return _SingleQKV.apply(lin1, q_scale, k_scale, pe, num_heads, width, triton_bwd)

@@ -185,6 +185,29 @@ def test_patched_single_block_matches_sd_scripts(fm, backward, dtype):
         patch.remove_kernels(model)
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_checkpointed_blocks_keep_the_torch_backward(fm, monkeypatch, checkpointed):
+    """The Triton backward measured slower in checkpointed blocks (the vram24 tier): there the block takes the
+    torch backward, with the same gradients."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed: the torch backward is the only one, so there is no choice to check")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    original = single_qkv._triton_backward
+    monkeypatch.setattr(single_qkv, "_triton_backward", lambda *a: calls.append(1) or original(*a))
+    model = _single_block_model(fm, torch.float32)
+    block = model.single_blocks[0].train()
+    block.gradient_checkpointing = checkpointed
+    want = _run_single(model, torch.float32)
+    patch.install_block_op(model, op="single_qkv")
+    try:
+        got = _run_single(model, torch.float32)
+    finally:
+        patch.remove_kernels(model)
+    assert bool(calls) != checkpointed
+    assert all(reference.max_rel_err(g, w) <= TOL[torch.float32] for g, w in zip(got, want, strict=True))
+
+
 def test_a_block_with_another_activation_keeps_its_own_ops(fm):
     model = _single_block_model(fm, torch.float32, act=torch.nn.GELU())  # exact GELU: not what single_qkv computes
     want = _run_single(model, torch.float32)
