@@ -313,19 +313,20 @@ def _gated_modulate_bwd_fake(dres, dout, x, gate, y, scale, mean, rstd, need_dga
 
 def single_qkv_bwd(
     dq: Tensor, dk: Tensor, dv: Tensor, lin1: Tensor, rq: Tensor, rk: Tensor, q_scale: Tensor, k_scale: Tensor,
-    pe: Tensor,
-) -> Tensor:  # fmt: skip
-    """A new buffer shaped like linear1's output [B, L, 3 * H * D + M] whose first 3 * H * D columns are linear1's
+    pe: Tensor, out: Tensor,
+) -> None:  # fmt: skip
+    """Writes the first 3 * H * D columns of `out`, shaped like linear1's output [B, L, 3 * H * D + M]: linear1's
     gradient from q, k, v's ([B, H, L, D]), given the forward's 1/rms of q and k ([B, H, L, 1], fp32). The M
-    columns after them are left for the caller (single_qkv writes GELU's gradient there, in place, which inductor
-    fuses with whatever produces that gradient). As a custom op with a flexible layout, it reads the strides of
-    what it gets at run time."""
+    columns after them are the caller's (single_qkv writes GELU's gradient there, in place, which inductor fuses
+    with whatever produces that gradient, straight into the same buffer). As a custom op with a flexible layout,
+    it reads the strides of what it gets at run time."""
+    if out.shape != lin1.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be shaped {tuple(lin1.shape)} with unit column stride, got {out.stride()}")
     dq, dk, dv, lin1 = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv, lin1))
     B, L, W = lin1.shape
     _, H, _, D = dq.shape
-    out = lin1.new_empty(B, L, W)
     if not (B and L):
-        return out
+        return
     spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
     bt, bh, warps = _qk_tile(H, D)
     ts.qkv_bwd[(triton.cdiv(L, bt), triton.cdiv(H, bh), B)](
@@ -336,11 +337,10 @@ def single_qkv_bwd(
         lin1.stride(0), lin1.stride(1), out.stride(0), out.stride(1), spe_b, pe.stride(2),
         D=D, BLOCK_T=bt, BLOCK_H=bh, RTNE=_RTNE, num_warps=warps,
     )  # fmt: skip
-    return out
 
 
-def _single_qkv_bwd_fake(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe):
-    return lin1.new_empty(lin1.shape)
+def _single_qkv_bwd_fake(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, out):
+    return None
 
 
 LAUNCHERS = {
@@ -356,6 +356,7 @@ LAUNCHERS = {
 }
 # inductor may hand these any layout (their launchers read the strides at run time): no copies to match the trace's
 FLEXIBLE = {"single_qkv_bwd"}
+MUTATES = {"single_qkv_bwd": ("out",)}  # the ops that write into a tensor they are given
 
 
 def define_ops() -> SimpleNamespace:
@@ -363,7 +364,7 @@ def define_ops() -> SimpleNamespace:
     ops = {}
     for name, (launcher, fake) in LAUNCHERS.items():
         tags = (torch.Tag.flexible_layout,) if name in FLEXIBLE else ()
-        op = torch.library.custom_op(f"{NS}::{name}", launcher, mutates_args=(), tags=tags)
+        op = torch.library.custom_op(f"{NS}::{name}", launcher, mutates_args=MUTATES.get(name, ()), tags=tags)
         op.register_fake(fake)
         ops[name] = getattr(getattr(torch.ops, NS), name).default  # dynamo traces OpOverload calls (not CustomOpDef)
     return SimpleNamespace(**ops)

@@ -20,7 +20,9 @@ strides of the tensors it gets at run time), holding each (token, head) row in r
 GELU's part stays in torch ops, written in place into the kernel's output, so inductor fuses it with what makes its
 input gradient. Inductor's code for the written-out q/k/v algebra needed a reduction pass and a pass per slice
 (s26a: 91 + 30 + 29 + 15 us per block; the kernel: 67-71 us). Whole `vram80 kernels=fp8` runs, A B B A against the
-torch backward (H200): 0.2997 / 0.2990 s/step against 0.3013 / 0.3013. GELU's part must stay in torch ops: with it
+torch backward (H200): 0.2997 / 0.2990 s/step against 0.3013 / 0.3013. GELU's part then went into the kernel's
+buffer instead of a new one (no copy of the q/k/v columns): torch peak 52.49 against 52.59 GiB, s/step the same
+(A B B A: 0.3006 / 0.2998 against 0.3006 / 0.2999). GELU's part must stay in torch ops: with it
 in Triton as well, inductor could no longer fuse the LoRA gradient sum (linear2's frozen + LoRA input gradients)
 into GELU's backward, and that sum's own pass cost what the kernels saved (0.305-0.306 s/step either way).
 Checkpointed blocks keep the torch backward: at the checkpointed fp8-base tier (`memory=vram24 kernels=offload`),
@@ -92,10 +94,15 @@ def _triton_backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_act: Tensor) -> 
     # backward with a .contiguous() copy of every incoming gradient (torch._dynamo.config's
     # _autograd_backward_strict_mode_conditional_banned_ops). The launcher reads the strides at run time.
     lin1, q_scale, k_scale, pe, rq, rk = ctx.saved_tensors
-    grad = fast._kernel("single_qkv_bwd", lin1)(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe)
+    B, L, W = lin1.shape
+    grad = torch.empty((B, L, W), dtype=lin1.dtype, device=lin1.device)
+    fast._kernel("single_qkv_bwd", lin1)(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, grad)
     # GELU's part in place, in torch ops: inductor fuses it with what makes d_act (in a LoRA run, the sum of the
-    # frozen and the LoRA input gradients of linear2) and writes straight into the buffer
-    grad[..., ctx.width :] = torch.ops.aten.gelu_backward(d_act, lin1[..., ctx.width :], approximate="tanh")
+    # frozen and the LoRA input gradients of linear2) and writes straight into the kernel's buffer. Through an
+    # as_strided view, which inductor's reinplacing always keeps a mutation: a slice assignment becomes a
+    # slice_scatter that it would make a new buffer of, copying the kernel's columns over (a pass a block)
+    gelu_part = grad.as_strided((B, L, W - ctx.width), (L * W, W, 1), ctx.width)
+    gelu_part.copy_(torch.ops.aten.gelu_backward(d_act, lin1[..., ctx.width :], approximate="tanh"))
     return grad
 
 

@@ -5,7 +5,9 @@ Triton's interpreter, switched on only inside the `backward` fixture)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -82,8 +84,8 @@ def test_the_probe_accepts_it_and_rejects_a_wrong_backward(backward, monkeypatch
         launchers, _ = fast._ops_lib()
         original = launchers.single_qkv_bwd
 
-        def scales_swapped(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe):
-            return original(dq, dk, dv, lin1, rq, rk, k_scale, q_scale, pe)
+        def scales_swapped(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, out):
+            return original(dq, dk, dv, lin1, rq, rk, k_scale, q_scale, pe, out)
 
         monkeypatch.setattr(launchers, "single_qkv_bwd", scales_swapped)
     result = registry.probe(spec, "cpu")
@@ -105,7 +107,8 @@ def test_the_triton_backward_reads_the_strides_it_gets(monkeypatch):
     q, k, _ = reference.heads(lin1[..., :width], heads)
     rq, rk = (torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + single_qkv.EPS) for t in (q, k))
     launchers, _ = fast._ops_lib()
-    got = launchers.single_qkv_bwd(*grads, lin1, rq, rk, q_scale, k_scale, pe)
+    got = torch.full_like(lin1, float("nan"))
+    launchers.single_qkv_bwd(*grads, lin1, rq, rk, q_scale, k_scale, pe, got)
     with torch.enable_grad():
         x = lin1.clone().requires_grad_()
         outs = reference_single_qkv(x, q_scale, k_scale, pe, heads, width)
@@ -136,6 +139,7 @@ def test_traced_code_calls_the_custom_op_on_the_gradients_as_they_come(monkeypat
         q, k, v, act = reference_single_qkv(*a)
         return q.permute(0, 2, 1, 3) * 1.5, k, v, act
 
+    fast._ops_lib()  # registered before tracing, as the probe does in training (registering traced breaks the graph)
     torch._dynamo.reset()
     try:
         (_, want), (_, got) = (
@@ -148,6 +152,40 @@ def test_traced_code_calls_the_custom_op_on_the_gradients_as_they_come(monkeypat
     assert "flux_kernels.single_qkv_bwd" in code and "triton_kernel_wrapper" not in code, code
     assert "aten.clone" not in code, code
     assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
+
+
+def test_inductor_writes_gelus_gradient_into_the_kernels_buffer(monkeypatch):
+    """The Triton kernel writes q, k, v's columns of linear1's gradient into a buffer; GELU's columns go into the
+    same buffer, computed by inductor's own kernel (fused with whatever makes GELU's incoming gradient: here a
+    sum, as the LoRA's in training). Written as a slice assignment, inductor would instead build a new buffer and
+    copy the kernel's columns over (its functional slice_scatter): the buffer handed to the kernel must be the one
+    the compiled backward returns."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    lin1, q_scale, k_scale, pe, heads, width = inputs(torch.float32, B=1, L=5)
+    w = torch.randn(7, lin1.shape[-1] - width, generator=torch.Generator().manual_seed(4))
+
+    def block(fn, x):
+        q, k, v, act = fn(x, q_scale, k_scale, pe, heads, width)
+        return q, k, v, act @ w.t() + act @ (0.5 * w).t()  # GELU's incoming gradient is a sum of two
+
+    fast._ops_lib()  # registered before tracing, as the probe does in training (registering traced breaks the graph)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(functools.partial(block, single_qkv.single_qkv))
+        (_, got), codes = run_and_get_code(outs_and_grads, compiled, (lin1,))
+    finally:
+        torch._dynamo.reset()
+    _, want = outs_and_grads(functools.partial(block, reference_single_qkv), (lin1,))
+    assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
+    backward = next(c for c in codes if "single_qkv_bwd.default(" in c)
+    buffer = re.search(r"single_qkv_bwd\.default\(.*, (\w+)\)", backward).group(1)
+    returned = re.search(r"\n\s*return \((.*)\)", backward).group(1)
+    assert re.search(rf"\b{buffer}\b", returned), backward
 
 
 def _single_block_model(fm, dtype, act=None):
