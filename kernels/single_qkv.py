@@ -26,7 +26,7 @@ buffer instead of a new one (no copy of the q/k/v columns): torch peak 52.49 aga
 in Triton as well, inductor could no longer fuse the LoRA gradient sum (linear2's frozen + LoRA input gradients)
 into GELU's backward, and that sum's own pass cost what the kernels saved (0.305-0.306 s/step either way).
 Checkpointed blocks keep the torch backward: at the checkpointed fp8-base tier (`memory=vram24 kernels=offload`),
-B A A B against it, the Triton one measured 0.3846 / 0.3853 s/step against 0.3790 / 0.3796, card peak
+in the order new / old / old / new, the Triton one measured 0.3846 / 0.3853 s/step against 0.3790 / 0.3796, card peak
 16.7-16.8 against 16.4 GiB (not profiled yet).
 
 Used by `flux_kernels.patch` in the single blocks when the `single_qkv` switch is on and the block is what it
