@@ -27,7 +27,8 @@ in Triton as well, inductor could no longer fuse the LoRA gradient sum (linear2'
 into GELU's backward, and that sum's own pass cost what the kernels saved (0.305-0.306 s/step either way).
 Checkpointed blocks keep the torch backward: at the checkpointed fp8-base tier (`memory=vram24 kernels=offload`),
 in the order new / old / old / new, the Triton one measured 0.3846 / 0.3853 s/step against 0.3790 / 0.3796, card peak
-16.7-16.8 against 16.4 GiB (not profiled yet).
+16.7-16.8 against 16.4 GiB (not profiled). With GELU's part in the kernel's buffer, forced on there: 0.3749
+against 0.3733 (forced first; within the run order's effect), card peak 16.5 against 16.4: no gain, so no change.
 
 Used by `flux_kernels.patch` in the single blocks when the `single_qkv` switch is on and the block is what it
 expects (GELU tanh, frozen norm scales); otherwise the block runs sd-scripts' ops.
