@@ -78,6 +78,11 @@ def _none(like: Tensor) -> Tensor:
     return like.new_empty(0, dtype=F32)
 
 
+def _pe_batch_stride(pe: Tensor) -> int:
+    """pe's batch stride for the kernels: 0 where one set of rotations serves the whole batch."""
+    return pe.stride(0) if pe.shape[0] > 1 else 0
+
+
 # ---- QK-RMSNorm + RoPE ------------------------------------------------------------------------------------------
 
 
@@ -88,7 +93,7 @@ def qk_norm_rope_fwd(
     total = sum(q.shape[2] for q in qs)
     q_out = qs[0].new_empty(B, H, total, D)
     k_out = qs[0].new_empty(B, H, total, D)
-    spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
+    spe_b = _pe_batch_stride(pe)
     bt, bh, warps = _qk_tile(H, D)
     l_off = 0
     for q, k, qw, kw in zip(qs, ks, qws, kws, strict=True):
@@ -109,7 +114,7 @@ def qk_norm_rope_bwd(
     pe: Tensor, eps: float, need_dw: bool,
 ) -> list[Tensor]:  # fmt: skip
     B, H, _, D = qs[0].shape
-    spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
+    spe_b = _pe_batch_stride(pe)
     bt, bh, warps = _qk_tile(H, D)
     grads, dws = [], []
     l_off = 0
@@ -327,7 +332,7 @@ def single_qkv_bwd(
     _, H, _, D = dq.shape
     if not (B and L):
         return
-    spe_b = pe.stride(0) if pe.shape[0] > 1 else 0
+    spe_b = _pe_batch_stride(pe)
     bt, bh, warps = _qk_tile(H, D)
     ts.qkv_bwd[(triton.cdiv(L, bt), triton.cdiv(H, bh), B)](
         dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, out, L, H,

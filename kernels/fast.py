@@ -149,6 +149,13 @@ def _unit_stride(t: Tensor) -> Tensor:
 
 
 def _qk_problem(segments, pe: Tensor) -> str | None:
+    # scales of any float dtype are fine: fp8-base models (sd-scripts casts the whole model) get an fp32 copy
+    return _qk_shape_problem(segments, pe) or _common_problem([t for s in segments for t in s[:2]] + [pe.float()])
+
+
+def _qk_shape_problem(segments, pe: Tensor) -> str | None:
+    """What the QK-RMSNorm + RoPE kernels cannot take in these shapes (None when they can): [B, H, L, D] q and k
+    per stream with D a power of two, [D] norm scales, pe [B|1, 1, L, D/2, 2, 2] over all streams' L."""
     q0 = segments[0][0]
     if q0.dim() != 4:
         return f"q must be [B, H, L, D], got {tuple(q0.shape)}"
@@ -165,8 +172,12 @@ def _qk_problem(segments, pe: Tensor) -> str | None:
         return "pe requires grad (the kernel treats RoPE as a constant)"
     if pe.dim() != 6 or pe.shape[1:] != (1, L, D // 2, 2, 2) or pe.shape[0] not in (1, B):
         return f"pe shape {tuple(pe.shape)} is not [B|1, 1, {L}, {D // 2}, 2, 2]"
-    # scales of any float dtype are fine: fp8-base models (sd-scripts casts the whole model) get an fp32 copy
-    return _common_problem([t for s in segments for t in s[:2]] + [pe.float()])
+    return None
+
+
+def _pe_fp32(pe: Tensor) -> Tensor:
+    """RoPE's rotations as the kernels read them: one fp32 block."""
+    return pe if pe.dtype == torch.float32 and pe.is_contiguous() else pe.float().contiguous()
 
 
 def _scale(w: Tensor) -> Tensor:
@@ -187,8 +198,7 @@ def qk_norm_rope_cat(
     flat = []
     for q, k, qw, kw in segments:
         flat += [_unit_stride(q), _unit_stride(k), _scale(qw), _scale(kw)]
-    pe = pe if pe.dtype == torch.float32 and pe.is_contiguous() else pe.float().contiguous()
-    return _QKNormRope.apply(pe, eps, *flat)
+    return _QKNormRope.apply(_pe_fp32(pe), eps, *flat)
 
 
 def qk_norm_rope(

@@ -73,21 +73,13 @@ def _tokens(t: Tensor) -> Tensor:
     return t.permute(0, 2, 1, 3).reshape(b, length, h * d)
 
 
-def triton_backward_problem(lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int):
-    """Why the Triton backward cannot take these inputs here (None when it can)."""
-    if not triton_runs_on(lin1.device):
-        return f"no Triton on {lin1.device.type}"
-    if lin1.dim() != 3 or lin1.dtype not in fast.DTYPES:
-        return f"linear1's output {tuple(lin1.shape)} {lin1.dtype} is not [B, L, C] in {fast.DTYPES}"
-    D = width // (3 * num_heads)
-    if width != 3 * num_heads * D or D < 2 or D > 256 or D & (D - 1):
-        return f"head_dim {width / (3 * num_heads)} (must be a power of two from 2 to 256)"
-    B, L, _ = lin1.shape
-    if pe.dim() != 6 or pe.shape[1:] != (1, L, D // 2, 2, 2) or pe.shape[0] not in (1, B):
-        return f"pe shape {tuple(pe.shape)} is not [B|1, 1, {L}, {D // 2}, 2, 2]"
-    if q_scale.shape != (D,) or k_scale.shape != (D,):
-        return f"norm scales must be [{D}]"
-    return None
+def triton_backward_problem(q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor) -> str | None:
+    """Why the Triton backward cannot take these inputs here (None when it can); q, k: [B, H, L, D]."""
+    if not triton_runs_on(q.device):
+        return f"no Triton on {q.device.type}"
+    if q.dtype not in fast.DTYPES:
+        return f"linear1's dtype {q.dtype} is not in {fast.DTYPES}"
+    return fast._qk_shape_problem([(q, k, q_scale, k_scale)], pe)
 
 
 def _triton_backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_act: Tensor) -> Tensor:
@@ -120,10 +112,10 @@ class _SingleQKV(torch.autograd.Function):
             normed.append(((xf * r) * scale.float()).to(x.dtype))
             rrms.append(r)
         q, k = reference.apply_rope(normed[0], normed[1], pe)
-        ctx.triton = triton_bwd and triton_backward_problem(lin1, q_scale, k_scale, pe, num_heads, width) is None
+        ctx.triton = triton_bwd and triton_backward_problem(q, k, q_scale, k_scale, pe) is None
         if ctx.triton:  # what the kernels read: fp32 scales if the model's are fp8, pe as one fp32 block
             q_scale, k_scale = (fast._scale(s).contiguous() for s in (q_scale, k_scale))
-            pe = pe if pe.dtype == torch.float32 and pe.is_contiguous() else pe.float().contiguous()
+            pe = fast._pe_fp32(pe)
         ctx.save_for_backward(lin1, q_scale, k_scale, pe, *rrms)
         ctx.num_heads, ctx.width = num_heads, width
         return q, k, v, F.gelu(lin1[..., width:], approximate="tanh")
