@@ -25,6 +25,9 @@ operations in sd-scripts' order; each fused step is swapped in only where its sw
     same ops in the same order forward (QKNorm, RoPE, the MLP's GELU moved before attention, which does not read
     it), a backward written out for inductor; q, k and v's part of it one Triton kernel where Triton runs and
     the block is not checkpointed (there it measured slower).
+  * double_qkv: in the double block, the same for both streams' qkv outputs: each stream normalised with its
+    QKNorm, txt then img concatenated, RoPE over the whole sequence, as sd-scripts; the backward's Triton kernel
+    runs once per stream on that stream's tokens. Not in checkpointed blocks, which keep sd-scripts' ops.
 With every switch off the patched forward is bit-identical to sd-scripts' (a unit test checks this against
 sd-scripts' blocks), and `verify_blocks` checks the installed result against the original on tiny inputs.
 """
@@ -44,13 +47,13 @@ from torch import Tensor, nn
 
 from flux_kernels import fast, reference
 from flux_kernels.attention import heads_to_tokens
-from flux_kernels.single_qkv import single_qkv
+from flux_kernels.single_qkv import double_qkv, single_qkv
 
 log = logging.getLogger(__name__)
 
 ATTR = "_flux_kernels"
 RUN_PROBE = "_flux_kernels_attention_probe"  # the model's forward pre-hook handle (attention at the real shape)
-BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention", "single_qkv")
+BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention", "single_qkv", "double_qkv")
 TRITON_BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate")  # fast.py's fused Triton ops
 DOUBLE_ATTRS = ("img_mod", "txt_mod", "img_norm1", "txt_norm1", "img_attn", "txt_attn", "img_norm2", "txt_norm2",
                 "img_mlp", "txt_mlp", "num_heads")  # fmt: skip
@@ -74,6 +77,7 @@ class BlockOps:
     gated_modulate: bool = False
     attention: Callable | None = None  # (q, k, v, mask) -> [B, H, L, D]; None = plain SDPA as sd-scripts
     single_qkv: bool = False
+    double_qkv: bool = False
 
     def mod(self, x: Tensor, shift: Tensor, scale: Tensor, norm: nn.Module) -> Tensor:
         if self.modulate:
@@ -123,10 +127,17 @@ def _double_forward(self, img: Tensor, txt: Tensor, vec: Tensor, pe: Tensor, txt
     txt_mod1, txt_mod2 = self.txt_mod(vec)
     img_qkv = self.img_attn.qkv(ops.mod(img, img_mod1.shift, img_mod1.scale, self.img_norm1))
     txt_qkv = self.txt_attn.qkv(ops.mod(txt, txt_mod1.shift, txt_mod1.scale, self.txt_norm1))
-    img_q, img_k, img_v = reference.heads(img_qkv, self.num_heads)
-    txt_q, txt_k, txt_v = reference.heads(txt_qkv, self.num_heads)
-    q, k = ops.qk([(txt_q, txt_k, txt_v, self.txt_attn.norm), (img_q, img_k, img_v, self.img_attn.norm)], pe)
-    v = torch.cat((txt_v, img_v), dim=2)
+    # checkpointed double blocks keep sd-scripts' ops: compiled, their autograd backward measured as fast as the
+    # written-out torch one, and the Triton one was slower in checkpointed single blocks
+    if ops.double_qkv and not ops.qk_norm_rope and not _checkpointed(self) and txt_qkv.dtype == img_qkv.dtype:
+        tn, imn = self.txt_attn.norm, self.img_attn.norm
+        q, k, v = double_qkv(txt_qkv, tn.query_norm.scale, tn.key_norm.scale, img_qkv, imn.query_norm.scale,
+                             imn.key_norm.scale, pe, self.num_heads)  # fmt: skip
+    else:
+        img_q, img_k, img_v = reference.heads(img_qkv, self.num_heads)
+        txt_q, txt_k, txt_v = reference.heads(txt_qkv, self.num_heads)
+        q, k = ops.qk([(txt_q, txt_k, txt_v, self.txt_attn.norm), (img_q, img_k, img_v, self.img_attn.norm)], pe)
+        v = torch.cat((txt_v, img_v), dim=2)
     attn = ops.attend(q, k, v, _mask(txt_attention_mask, img.shape[1], q))
     txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
 
@@ -146,9 +157,8 @@ def _single_forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask
     lin1 = self.linear1(x_mod)
     if ops.single_qkv and not ops.qk_norm_rope and _gelu_tanh(self.mlp_act):
         norm = self.norm
-        checkpointed = self.training and getattr(self, "gradient_checkpointing", False)
         q, k, v, act = single_qkv(lin1, norm.query_norm.scale, norm.key_norm.scale, pe, self.num_heads,
-                                  3 * self.hidden_size, triton_bwd=not checkpointed)  # fmt: skip
+                                  3 * self.hidden_size, triton_bwd=not _checkpointed(self))  # fmt: skip
     else:
         qkv, mlp = torch.split(lin1, [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
         q, k, v = reference.heads(qkv, self.num_heads)
@@ -158,6 +168,12 @@ def _single_forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask
     attn = ops.attend(q, k, v, _mask(txt_attention_mask, rest, q))
     output = self.linear2(torch.cat((attn, self.mlp_act(mlp) if act is None else act), 2))
     return ops.gated(x, mod.gate, output)
+
+
+def _checkpointed(block: nn.Module) -> bool:
+    """The block recomputes its forward in the backward (sd-scripts' flag): there single blocks keep single_qkv's
+    torch backward and double blocks sd-scripts' ops, which measured faster than the Triton kernel there."""
+    return block.training and getattr(block, "gradient_checkpointing", False)
 
 
 def _gelu_tanh(m: nn.Module) -> bool:

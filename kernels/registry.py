@@ -265,6 +265,18 @@ def single_qkv_example(device, dtype, B=2, H=3, D=128, L=7, mlp=40):
     return lin1, *scales, reference.make_pe(B, L, D, device=device, generator=gen), H, 3 * H * D
 
 
+def double_qkv_example(device, dtype, B=2, H=3, D=128, lt=3, li=5):
+    """The double block's two qkv outputs (txt, img: [B, L, 3 * H * D]) as non-leaves, each with its frozen QKNorm
+    scales, and RoPE over both streams' tokens."""
+    gen = torch.Generator().manual_seed(0)
+    streams = []
+    for L in (lt, li):
+        qkv = _rand(B, L, 3 * H * D, device=device, dtype=dtype, gen=gen) * 1.0
+        streams += [qkv, *(_rand(D, device=device, dtype=dtype, gen=gen, scale=0.2, offset=1.0, grad=False)
+                           for _ in range(2))]  # fmt: skip
+    return *streams, reference.make_pe(B, lt + li, D, device=device, generator=gen), H
+
+
 def modulate_example(device, dtype, B=2, L=7, C=96):
     gen = torch.Generator().manual_seed(0)
     x = _rand(B, L, C, device=device, dtype=dtype, gen=gen, scale=2.0, offset=0.5)
@@ -438,6 +450,18 @@ REGISTRY: dict[str, KernelSpec] = {
             reference=single_qkv.reference_single_qkv,
             fast=single_qkv.single_qkv,
             example=single_qkv_example,
+        ),
+        KernelSpec(
+            "double_qkv",
+            "double blocks: both streams' qkv outputs to q, k, v (QKNorm per stream, RoPE over both) as one autograd "
+            "function whose backward is written out, each stream's q/k/v gradient in one Triton kernel (the "
+            "forward is sd-scripts' op for op)",
+            compile_applies,
+            functools.partial(patch.install_block_op, op="double_qkv"),
+            reference=single_qkv.reference_double_qkv,
+            fast=single_qkv.double_qkv,
+            example=double_qkv_example,
+            in_auto=False,  # opt-in: no whole-step gain measured (H200, vram80, A B B A with fp8 and with auto)
         ),
         KernelSpec(
             "fp8_matmul",

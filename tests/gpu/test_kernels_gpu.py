@@ -414,47 +414,49 @@ def test_compile_blocks_with_the_fused_ops_at_two_shapes_match_eager(dev, fm):
         torch._dynamo.reset()
 
 
-def test_single_block_with_single_qkv_compiles_without_graph_breaks(dev, fm):
-    """Dynamo traces single_qkv's autograd function, forward and backward (the Triton backward as its custom op),
-    into the block's graph; a break would run it eagerly between two graphs. Traced code asks first whether triton
-    is installed (device.triton_available, looked up once per process)."""
+@pytest.mark.parametrize("kind", ["single", "double"])
+def test_block_with_its_qkv_op_compiles_without_graph_breaks(dev, fm, kind):
+    """Dynamo traces single_qkv's / double_qkv's autograd function, forward and backward (the Triton backward as
+    its custom op), into the block's graph; a break would run it eagerly between two graphs. Traced code asks
+    first whether triton is installed (device.triton_available, looked up once per process)."""
     from flux_kernels import device
 
     device._triton_found = None
     model = flux_blocks(fm, dev)
-    patch.apply_kernels(model, unchecked(["attention", "single_qkv"]))
+    patch.apply_kernels(model, unchecked(["attention", f"{kind}_qkv"]))
     try:
-        block = model.single_blocks[0].train()
-        explained = torch._dynamo.explain(block.forward)(*block_inputs(dev, "single", lt=64, li=256))
+        block = (model.single_blocks if kind == "single" else model.double_blocks)[0].train()
+        explained = torch._dynamo.explain(block.forward)(*block_inputs(dev, kind, lt=64, li=256))
         assert explained.graph_break_count == 0, explained.break_reasons
     finally:
         patch.remove_kernels(model)
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
-def test_compiled_single_blocks_with_single_qkv_at_two_shapes_match_eager(dev, fm, checkpointed):
-    """single_qkv's written-out backward inside compiled single blocks, as training runs them (CUDA graphs aside):
-    at two shapes (the second traced with dynamic shapes), checkpointed or not, with the checkpointed blocks' RNG
-    state on the host where this torch caches that (compile_blocks' choice), against the eager patched block."""
+@pytest.mark.parametrize(("kind", "checkpointed"), [("single", False), ("single", True), ("double", False)])
+def test_compiled_blocks_with_their_qkv_op_at_two_shapes_match_eager(dev, fm, checkpointed, kind):
+    """single_qkv's / double_qkv's written-out backward inside compiled blocks, as training runs them (CUDA graphs
+    aside): at two shapes (the second traced with dynamic shapes), checkpointed or not (checkpointed double blocks
+    keep sd-scripts' ops), with the checkpointed blocks' RNG state on the host where this torch caches that
+    (compile_blocks' choice), against the eager patched block."""
     from flux_kernels import compile_blocks, single_qkv
 
     model = flux_blocks(fm, dev)
-    patch.apply_kernels(model, unchecked(["attention", "single_qkv"]))
-    block = model.single_blocks[0].train()
+    patch.apply_kernels(model, unchecked(["attention", f"{kind}_qkv"]))
+    block = (model.single_blocks if kind == "single" else model.double_blocks)[0].train()
     if checkpointed:
         block.enable_gradient_checkpointing()
     shapes = [(512, 1024), (64, 256)]
     calls = []
-    original = single_qkv._SingleQKV.apply
+    original = single_qkv._QKV.apply
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(single_qkv._SingleQKV, "apply", lambda *a: calls.append(1) or original(*a))
-        eager = [outs_and_grads(block, block_inputs(dev, "single", lt=lt, li=li)) for lt, li in shapes]
-    assert calls, "the eager block did not go through single_qkv"
+        mp.setattr(single_qkv._QKV, "apply", lambda *a: calls.append(1) or original(*a))
+        eager = [outs_and_grads(block, block_inputs(dev, kind, lt=lt, li=li)) for lt, li in shapes]
+    assert calls, f"the eager block did not go through {kind}_qkv"
     torch._dynamo.reset()
     try:
         assert "inductor's code inside" not in compile_blocks.install(model)
-        assert_matches_at_shapes(block, dev, "single", shapes, eager)
+        assert_matches_at_shapes(block, dev, kind, shapes, eager)
     finally:
         compile_blocks.remove(model)
         patch.remove_kernels(model)

@@ -138,17 +138,18 @@ def test_off_installs_nothing_and_real_registry_explicit_compile_on_cpu_raises()
 
 def test_every_registry_entry_is_frozen_and_complete():
     assert list(REGISTRY) == ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate",
-                              "single_qkv", "fp8_matmul", "lora_fold", "flux_prologue", "lora_grad_norms",
+                              "single_qkv", "double_qkv", "fp8_matmul", "lora_fold", "flux_prologue", "lora_grad_norms",
                               "prodigy_step", "adamw_step", "single_process_reduce", "selective_checkpoint",
                               "compile_blocks", "activation_offload"]  # fmt: skip
     # these install into the optimizer, this one into our trainer
     assert {n: s.target for n, s in REGISTRY.items() if s.target != "model"} == {
         "prodigy_step": "optimizer", "adamw_step": "optimizer", "single_process_reduce": "trainer"}  # fmt: skip
-    # auto = the attention choice + the single blocks' q/k/v with a written-out backward + fp8 matmuls (on an fp8 base
-    # only) + the LoRA folded into the wide layers' GEMM + the per-step embeddings without syncs + the LoRA norms (where
-    # a LoRA is applied) + Prodigy's or AdamW's step (whichever the optimizer is) + no all-reduce on one process +
-    # selective checkpointing (where blocks are checkpointed) + regional compile; the Triton ops are opt-in until they
-    # beat compile_blocks, activation_offload until it is measured at the tiers' caps
+    # auto = the attention choice + the single blocks' q/k/v with a written-out backward + fp8 matmuls (on an fp8
+    # base only) + the LoRA folded into the wide layers' GEMM + the per-step embeddings without syncs + the LoRA norms
+    # (where a LoRA is applied) + Prodigy's or AdamW's step (whichever the optimizer is) + no all-reduce on one
+    # process + selective checkpointing (where blocks are checkpointed) + regional compile; the Triton ops are opt-in
+    # until they beat compile_blocks, the double blocks' q/k/v until a whole step shows its gain, activation_offload
+    # until it is measured at the tiers' caps
     assert [n for n, s in REGISTRY.items() if s.in_auto] == ["attention", "single_qkv", "fp8_matmul", "lora_fold",
                                                               "flux_prologue",
                                                               "lora_grad_norms", "prodigy_step", "adamw_step",
@@ -224,7 +225,7 @@ def test_real_kernels_auto_on_cpu_via_interpreter(monkeypatch):
     sel = select("auto", "cpu")  # auto's kernels need CUDA but two plain-PyTorch ones; the Triton ones are not in auto
     assert sel.installed == ("flux_prologue", "lora_grad_norms")
     assert set(sel.skipped) == {"attention", "single_qkv", "fp8_matmul", "lora_fold", "selective_checkpoint",
-                                "compile_blocks"}
+                                "compile_blocks"}  # fmt: skip
     triton_kernels = ["qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
     sel = select(triton_kernels, "cpu")  # named: each probed against its reference through the interpreter
     assert sel.installed == tuple(triton_kernels) and sel.explicit

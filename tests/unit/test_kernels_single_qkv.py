@@ -1,4 +1,5 @@
-"""single_qkv: the single block's q/k/v + GELU with a written-out backward, against sd-scripts' ops.
+"""single_qkv and double_qkv: the blocks' q/k/v (+ the single block's GELU) with a written-out backward, against
+sd-scripts' ops.
 
 Both backwards are tested: the torch one (what runs where Triton does not) and the Triton kernels (on CPU through
 Triton's interpreter, switched on only inside the `backward` fixture)."""
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from flux_kernels import fast, patch, reference, registry, single_qkv
-from flux_kernels.single_qkv import reference_single_qkv
+from flux_kernels.single_qkv import reference_double_qkv, reference_single_qkv
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -64,14 +65,45 @@ def test_forward_is_sd_scripts_op_for_op_and_the_backward_agrees(backward, dtype
         assert reference.max_rel_err(g[..., part], w[..., part]) <= TOL[dtype], part
 
 
-def test_norm_scales_that_train_take_the_reference_with_their_gradients():
-    args = inputs(torch.float32, scale_grad=True)
-    (_, dwant), (_, dgot) = outs_and_grads(reference_single_qkv, args), outs_and_grads(single_qkv.single_qkv, args)
-    assert len(dgot) == 3 and all(torch.equal(g, w) for g, w in zip(dgot, dwant, strict=True))
+def double_inputs(dtype, B=2, H=3, D=128, lt=4, li=9, seed=0, scale_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    streams = []
+    for L in (lt, li):
+        qkv = (torch.randn(B, L, 3 * H * D, generator=gen) * 2 + 0.3).to(dtype).requires_grad_()
+        scales = [(torch.rand(D, generator=gen) + 0.5).to(dtype).requires_grad_(scale_grad) for _ in range(2)]
+        streams += [qkv, *scales]
+    return *streams, reference.make_pe(B, lt + li, D, generator=gen), H
 
 
-def test_the_probe_accepts_it_and_rejects_a_wrong_backward(backward, monkeypatch):
-    spec = registry.REGISTRY["single_qkv"]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [dict(), dict(B=1, H=2, D=64, lt=6, li=3)], ids=["flux_head", "odd"])
+def test_double_forward_is_sd_scripts_op_for_op_and_the_backward_agrees(backward, dtype, shape):
+    args = double_inputs(dtype, **shape)
+    (want, dwant), (got, dgot) = outs_and_grads(reference_double_qkv, args), outs_and_grads(single_qkv.double_qkv, args)
+    assert len(got) == 3 and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert len(dgot) == 2  # txt's and img's qkv output; each part of each: q, k (RMSNorm/RoPE backward), v
+    width = args[0].shape[-1] // 3
+    for g, w in zip(dgot, dwant, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        for part in (slice(0, width), slice(width, 2 * width), slice(2 * width, None)):
+            assert reference.max_rel_err(g[..., part], w[..., part]) <= TOL[dtype], part
+
+
+@pytest.mark.parametrize("op", ["single", "double"])
+def test_norm_scales_that_train_take_the_reference_with_their_gradients(op):
+    if op == "single":
+        fn, ref, args = single_qkv.single_qkv, reference_single_qkv, inputs(torch.float32, scale_grad=True)
+    else:
+        fn, ref, args = single_qkv.double_qkv, reference_double_qkv, double_inputs(torch.float32, scale_grad=True)
+    (_, dwant), (_, dgot) = outs_and_grads(ref, args), outs_and_grads(fn, args)
+    assert len(dgot) == (3 if op == "single" else 6) and all(
+        torch.equal(g, w) for g, w in zip(dgot, dwant, strict=True)
+    )
+
+
+@pytest.mark.parametrize("op", ["single_qkv", "double_qkv"])
+def test_the_probe_accepts_it_and_rejects_a_wrong_backward(backward, monkeypatch, op):
+    spec = registry.REGISTRY[op]
     assert registry.probe(spec, "cpu").ok
 
     if backward == "torch":
@@ -197,63 +229,70 @@ def _single_block_model(fm, dtype, act=None):
     return model
 
 
-def _run_single(model, dtype):
-    block = model.single_blocks[0]
-    args = patch._verify_inputs(block, "single", "cpu", dtype, True)
+def _run(model, dtype, kind="single"):
+    block = (model.single_blocks if kind == "single" else model.double_blocks)[0]
+    args = patch._verify_inputs(block, kind, "cpu", dtype, True)
     wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     return patch._outs_and_grads(block.forward, None, args, wrt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_patched_single_block_matches_sd_scripts(fm, backward, dtype):
+@pytest.mark.parametrize("kind", ["single", "double"])
+def test_patched_block_matches_sd_scripts(fm, backward, dtype, kind):
     model = _single_block_model(fm, dtype)
-    want = _run_single(model, dtype)
-    assert patch.install_block_op(model, op="single_qkv") == "single_qkv: 1 double + 1 single blocks"
+    want = _run(model, dtype, kind)
+    op = f"{kind}_qkv"
+    assert patch.install_block_op(model, op=op) == f"{op}: 1 double + 1 single blocks"
     try:
         calls = []
-        original = single_qkv._SingleQKV.apply
+        original = single_qkv._QKV.apply
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(single_qkv._SingleQKV, "apply", lambda *a: calls.append(1) or original(*a))
-            got = _run_single(model, dtype)
-        assert calls == [1]  # the block went through it
-        assert torch.equal(got[0], want[0])  # the output: same ops, same order
-        assert all(reference.max_rel_err(g, w) <= TOL[dtype] for g, w in zip(got[1:], want[1:], strict=True))
+            mp.setattr(single_qkv._QKV, "apply", lambda *a: calls.append(1) or original(*a))
+            got = _run(model, dtype, kind)
+            assert calls == [1]  # the block went through it
+            assert _run(model, dtype, "double" if kind == "single" else "single") and calls == [1]  # only this kind
+        n_outs = 1 if kind == "single" else 2
+        assert all(torch.equal(g, w) for g, w in zip(got[:n_outs], want[:n_outs], strict=True))  # same ops, order
+        assert all(reference.max_rel_err(g, w) <= TOL[dtype] for g, w in zip(got, want, strict=True))
         assert patch.verify_blocks(model) == []
     finally:
         patch.remove_kernels(model)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
-def test_checkpointed_blocks_keep_the_torch_backward(fm, monkeypatch, checkpointed):
-    """The Triton backward measured slower in checkpointed blocks (the vram24 tier): there the block takes the
-    torch backward, with the same gradients."""
+@pytest.mark.parametrize("kind", ["single", "double"])
+def test_checkpointed_blocks_keep_the_torch_backward(fm, monkeypatch, checkpointed, kind):
+    """The Triton backward measured slower in checkpointed blocks (the vram24 tier): there a single block takes
+    single_qkv's torch backward and a double block sd-scripts' own ops, with the same gradients."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed: the torch backward is the only one, so there is no choice to check")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = []
-    original = single_qkv._triton_backward
-    monkeypatch.setattr(single_qkv, "_triton_backward", lambda *a: calls.append(1) or original(*a))
+    triton_calls, qkv_calls = [], []
+    triton_backward, apply = single_qkv._triton_backward, single_qkv._QKV.apply
+    monkeypatch.setattr(single_qkv, "_triton_backward", lambda *a: triton_calls.append(1) or triton_backward(*a))
+    monkeypatch.setattr(single_qkv._QKV, "apply", lambda *a: qkv_calls.append(1) or apply(*a))
     model = _single_block_model(fm, torch.float32)
-    block = model.single_blocks[0].train()
+    block = (model.single_blocks if kind == "single" else model.double_blocks)[0].train()
     block.gradient_checkpointing = checkpointed
-    want = _run_single(model, torch.float32)
-    patch.install_block_op(model, op="single_qkv")
+    want = _run(model, torch.float32, kind)
+    patch.install_block_op(model, op=f"{kind}_qkv")
     try:
-        got = _run_single(model, torch.float32)
+        got = _run(model, torch.float32, kind)
     finally:
         patch.remove_kernels(model)
-    assert bool(calls) != checkpointed
+    assert bool(triton_calls) != checkpointed
+    assert bool(qkv_calls) == (kind == "single" or not checkpointed)
     assert all(reference.max_rel_err(g, w) <= TOL[torch.float32] for g, w in zip(got, want, strict=True))
 
 
 def test_a_block_with_another_activation_keeps_its_own_ops(fm):
     model = _single_block_model(fm, torch.float32, act=torch.nn.GELU())  # exact GELU: not what single_qkv computes
-    want = _run_single(model, torch.float32)
+    want = _run(model, torch.float32)
     patch.install_block_op(model, op="single_qkv")
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(single_qkv._SingleQKV, "apply", lambda *a: pytest.fail("used with an exact GELU"))
-            got = _run_single(model, torch.float32)
+            mp.setattr(single_qkv._QKV, "apply", lambda *a: pytest.fail("used with an exact GELU"))
+            got = _run(model, torch.float32)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     finally:
         patch.remove_kernels(model)
