@@ -82,18 +82,14 @@ def _tokens(t: Tensor) -> Tensor:
     return t.permute(0, 2, 1, 3).reshape(b, length, h * d)
 
 
-def triton_backward_problem(q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor) -> str | None:
-    """Why the Triton backward cannot take these inputs here (None when it can); q, k: [B, H, L, D]."""
-    return _streams_problem([(q, k, q_scale, k_scale)], pe)
-
-
-def _streams_problem(segments, pe: Tensor) -> str | None:
-    """`triton_backward_problem` for (q, k, q_scale, k_scale) per stream, pe over all of them."""
+def triton_backward_problem(segments, pe: Tensor) -> str | None:
+    """Why the Triton backward cannot take these inputs here (None when it can): (q, k, q_scale, k_scale) per
+    stream, q and k [B, H, L_i, D], pe over all streams' tokens."""
     q = segments[0][0]
     if not triton_runs_on(q.device):
         return f"no Triton on {q.device.type}"
     if q.dtype not in fast.DTYPES:
-        return f"linear1's dtype {q.dtype} is not in {fast.DTYPES}"
+        return f"the blocks' dtype {q.dtype} is not in {fast.DTYPES}"
     return fast._qk_shape_problem(segments, pe)
 
 
@@ -102,6 +98,11 @@ def _norm(x: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     xf = x.float()
     r = torch.rsqrt(torch.mean(xf**2, dim=-1, keepdim=True) + EPS)
     return ((xf * r) * scale.float()).to(x.dtype), r
+
+
+def _groups(items, n: int):
+    """Consecutive groups of n: the per-stream tensors, saved or passed flat."""
+    return zip(*[iter(items)] * n, strict=True)
 
 
 def _rows(t: Tensor, start: int, length: int) -> Tensor:
@@ -115,7 +116,7 @@ def _triton_backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_acts) -> list[Te
     # _autograd_backward_strict_mode_conditional_banned_ops). The launcher reads the strides at run time.
     pe, *saved = ctx.saved_tensors
     grads, start, d_acts = [], 0, iter(d_acts)
-    for lin, q_scale, k_scale, rq, rk in zip(*[iter(saved)] * 5, strict=True):
+    for lin, q_scale, k_scale, rq, rk in _groups(saved, 5):
         B, L, W = lin.shape
         grad = torch.empty((B, L, W), dtype=lin.dtype, device=lin.device)
         qkv_grads = (_rows(d, start, L) for d in (dq, dk, dv))
@@ -139,7 +140,7 @@ def _torch_backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_acts) -> list[Ten
     # apply_rope took the normalised values rounded to the blocks' dtype: its gradient is rounded the same way
     dq_normed, dk_normed = _rope_backward(dq, pe).to(dtype), _rope_backward(dk, pe).to(dtype)
     grads, start, d_acts = [], 0, iter(d_acts)
-    for lin, q_scale, k_scale, rq, rk in zip(*[iter(saved)] * 5, strict=True):
+    for lin, q_scale, k_scale, rq, rk in _groups(saved, 5):
         L = lin.shape[1]
         q, k, _ = reference.heads(lin[..., : ctx.width], ctx.num_heads)
         parts = [
@@ -162,7 +163,7 @@ class _QKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pe: Tensor, num_heads: int, width: int, triton_bwd: bool, *streams: Tensor):
         qs, ks, vs, acts, segments, saved = [], [], [], [], [], []
-        for lin, q_scale, k_scale in zip(*[iter(streams)] * 3, strict=True):
+        for lin, q_scale, k_scale in _groups(streams, 3):
             q, k, v = reference.heads(lin[..., :width], num_heads)
             segments.append((q, k, q_scale, k_scale))
             (q, rq), (k, rk) = _norm(q, q_scale), _norm(k, k_scale)
@@ -174,7 +175,7 @@ class _QKV(torch.autograd.Function):
             saved += [lin, q_scale, k_scale, rq, rk]
         q, k, v = (t[0] if len(t) == 1 else torch.cat(t, dim=2) for t in (qs, ks, vs))
         q, k = reference.apply_rope(q, k, pe)
-        ctx.triton = triton_bwd and _streams_problem(segments, pe) is None
+        ctx.triton = triton_bwd and triton_backward_problem(segments, pe) is None
         if ctx.triton:  # what the kernels read: fp32 scales if the model's are fp8, pe as one fp32 block
             for i in range(0, len(saved), 5):
                 saved[i + 1 : i + 3] = (fast._scale(s).contiguous() for s in saved[i + 1 : i + 3])
@@ -216,9 +217,10 @@ def double_qkv(
     img_k_scale: Tensor, pe: Tensor, num_heads: int, triton_bwd: bool = True,
 ):  # fmt: skip
     """`reference_double_qkv` with the written-out backward (each stream's qkv gradient in one Triton kernel where
-    Triton runs); as `single_qkv`, with norm scales that need a gradient it is the reference itself."""
+    Triton runs, unless `triton_bwd=False`); as `single_qkv`, with norm scales that need a gradient it is the
+    reference itself, and so it is with streams of different widths (not FLUX's)."""
     scales = (txt_q_scale, txt_k_scale, img_q_scale, img_k_scale)
-    if any(s.requires_grad for s in scales):
+    if any(s.requires_grad for s in scales) or txt_qkv.shape[-1] != img_qkv.shape[-1]:
         return reference_double_qkv(txt_qkv, *scales[:2], img_qkv, *scales[2:], pe, num_heads)
     width = txt_qkv.shape[-1]
     return _QKV.apply(pe, num_heads, width, triton_bwd, txt_qkv, *scales[:2], img_qkv, *scales[2:])
