@@ -214,13 +214,13 @@ def reference_double_qkv(
 
 def double_qkv(
     txt_qkv: Tensor, txt_q_scale: Tensor, txt_k_scale: Tensor, img_qkv: Tensor, img_q_scale: Tensor,
-    img_k_scale: Tensor, pe: Tensor, num_heads: int, triton_bwd: bool = True,
+    img_k_scale: Tensor, pe: Tensor, num_heads: int,
 ):  # fmt: skip
     """`reference_double_qkv` with the written-out backward (each stream's qkv gradient in one Triton kernel where
-    Triton runs, unless `triton_bwd=False`); as `single_qkv`, with norm scales that need a gradient it is the
-    reference itself, and so it is with streams of different widths (not FLUX's)."""
+    Triton runs); as `single_qkv`, with norm scales that need a gradient it is the reference itself, and so it is
+    with streams of different widths (not FLUX's)."""
     scales = (txt_q_scale, txt_k_scale, img_q_scale, img_k_scale)
     if any(s.requires_grad for s in scales) or txt_qkv.shape[-1] != img_qkv.shape[-1]:
         return reference_double_qkv(txt_qkv, *scales[:2], img_qkv, *scales[2:], pe, num_heads)
     width = txt_qkv.shape[-1]
-    return _QKV.apply(pe, num_heads, width, triton_bwd, txt_qkv, *scales[:2], img_qkv, *scales[2:])
+    return _QKV.apply(pe, num_heads, width, True, txt_qkv, *scales[:2], img_qkv, *scales[2:])
