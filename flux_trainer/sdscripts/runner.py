@@ -6,7 +6,9 @@ the run dir (written by the parent), puts the checkout on sys.path, parses the T
 overrides sd-scripts' hook methods: model loaded (random presets, kernels), step start/end (metrics), the step's
 noise prediction (position ids kept on the device with flux_prologue), the loss it returns (read without a sync,
 train.sync_free); kernels whose target is the trainer
-(flux_kernels.single_process) wrap its methods on the instance.
+(flux_kernels.single_process) wrap its methods on the instance. For the run, two of sd-scripts' module functions are
+wrapped: `get_optimizer` (the optimizer's kernels) and `calculate_sha256` (the base model's hash once per file,
+file_hash).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class RunnerSpec:
 
 def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) -> type:
     """Our FluxNetworkTrainer subclass, built against the checkout imported at run time."""
-    from flux_trainer.sdscripts import hooks
+    from flux_trainer.config.paths import cache_root
+    from flux_trainer.sdscripts import file_hash, hooks
 
     base = mods.flux_train_network.FluxNetworkTrainer
 
@@ -76,12 +79,16 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
                 self.flux_train.optimizer_created(optimizer)
                 return name, described, optimizer
 
+            # and it reads the whole base model for its sha256 (the LoRA's metadata) at every start: once per file
+            sha256 = mods.train_util.calculate_sha256
             mods.train_util.get_optimizer = get_optimizer
+            mods.train_util.calculate_sha256 = file_hash.cached(sha256, cache_root() / file_hash.CACHE_FILE)
             self.flux_train.trainer_created(self)
             try:
                 return super().train(args)
             finally:
                 mods.train_util.get_optimizer = build
+                mods.train_util.calculate_sha256 = sha256
                 self.flux_train.train_finished()
 
         def load_target_model(self, args, weight_dtype, accelerator):

@@ -50,6 +50,8 @@ def trained(tmp_path_factory):
     # no tokenizer folder configured: random presets use the packaged stand-ins, so nothing is downloaded
     env = {k: v for k, v in os.environ.items() if k != "FLUX_TRAIN_TOKENIZER_DIR"}
     env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
+    # a cache folder of its own (the random model, the base model's sha256...), as on a fresh machine
+    env.update(FLUX_TRAIN_CACHE=str(work / "cache"), FLUX_TRAIN_SD_SCRIPTS=str(CHECKOUT.path))
     cmd = [
         shutil.which("flux-train") or sys.executable,
         "+dataset=tiny",
@@ -73,7 +75,7 @@ def trained(tmp_path_factory):
     def rerun(*extra):
         return subprocess.run([*cmd, *extra], cwd=work, env=env, capture_output=True, text=True, timeout=900)
 
-    return SimpleNamespace(proc=proc, run_dir=runs[-1] if runs else None, rerun=rerun)
+    return SimpleNamespace(proc=proc, run_dir=runs[-1] if runs else None, rerun=rerun, cache=work / "cache")
 
 
 def test_run_succeeds(trained):
@@ -96,6 +98,25 @@ def test_lora_file_has_sd_scripts_keys(trained):
     assert keys and all(k.startswith("lora_unet_") for k in keys)
     assert any(k.endswith("lora_down.weight") for k in keys) and any(k.endswith(".alpha") for k in keys)
     assert any("double_blocks_0" in k for k in keys) and any("single_blocks_0" in k for k in keys)
+
+
+def test_lora_metadata_names_the_base_model_by_its_sha256(trained):
+    """sd-scripts' digest of the base model, which the runner keeps per file (file_hash) instead of reading the
+    model again at every start: the metadata holds the file's real sha256, and so does the cache."""
+    import hashlib
+    import json
+
+    import tomli
+    from safetensors import safe_open
+
+    from flux_trainer.sdscripts import file_hash
+
+    model = tomli.loads((trained.run_dir / "sd_scripts.toml").read_text())["model"]["pretrained_model_name_or_path"]
+    want = hashlib.sha256(open(model, "rb").read()).hexdigest()
+    with safe_open(str(trained.run_dir / "tiny.safetensors"), "pt") as f:
+        assert f.metadata()["ss_new_sd_model_hash"] == want
+    kept = json.loads((trained.cache / file_hash.CACHE_FILE).read_text())
+    assert kept[file_hash.file_key(os.stat(model), model)] == want
 
 
 def test_tensorboard_events_hold_loss_metrics_and_config(trained):
@@ -195,9 +216,14 @@ def test_same_seed_same_losses_whether_or_not_the_run_built_the_caches(trained):
     """The first run built the latent and text-encoder caches (the VAE draws random numbers for that); a second run
     with the same seed reuses them and must still see the same LoRA init, data and noise: the same losses."""
 
+    from flux_trainer.sdscripts import file_hash
+
+    hashes = trained.cache / file_hash.CACHE_FILE
+    before = hashes.stat().st_mtime_ns if hashes.exists() else None
     proc = trained.rerun("train.output_name=again", "train.save_every_n_steps=null", "sample.prompts=[]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "re-seeded (seed" in proc.stdout + proc.stderr
+    assert before is not None and hashes.stat().st_mtime_ns == before  # the model's sha256 taken from the cache
     again = sorted((trained.run_dir.parent.parent / "again").glob("*"))[-1]
     first, second = losses(trained.run_dir), losses(again)
     assert len(first) == len(second) == 2
