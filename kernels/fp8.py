@@ -332,19 +332,27 @@ def _route(linear: nn.Linear, fn: Fp8Forward) -> None:
 
 
 def install(
-    blocks: list[nn.Module], *, quantize: bool, device: torch.device | None = None, keep_transposed: bool = False
+    blocks: list[nn.Module],
+    *,
+    quantize: bool,
+    device: torch.device | None = None,
+    keep_transposed: bool = False,
+    stay: bool = False,
 ) -> tuple[int, int, str]:
     """Route every eligible block Linear through fp8. fp8 weights are used as stored; high-precision ones are
     quantised (on `device` when given, then put back where the weight lives) only with `quantize`.
     `keep_transposed`: each fp8 weight's transpose is made once here and kept (a buffer of its Linear, +1 byte
     per weight) instead of being made again by every input gradient (FLUX at 1024² on an H200: 228 transposes,
-    5.3 ms of a 0.32 s step, for ~8 GiB). Returns (installed, skipped, a note on the weights)."""
+    5.3 ms of a 0.32 s step, for ~8 GiB). `stay`: what is made on `device` stays there instead of going back where
+    the weight lives, for a model that moves to `device` next anyway (FLUX at fp8 on the H200 machine: the copies
+    back to the host took 12 s of the start). Returns (installed, skipped, a note on the weights)."""
     done = skipped = quantized = kept = 0
     for _, lin in block_linears(blocks):
         if hasattr(lin, ATTR) or fp8_problem(lin):
             skipped += 1
             continue
-        w, home = lin.weight.detach(), lin.weight.device
+        w = lin.weight.detach()
+        home = device if stay and device is not None else w.device
         if w.dtype != E4M3:
             if not quantize:
                 skipped += 1

@@ -300,14 +300,18 @@ def attention_decision(model: nn.Module) -> str | None:
 def install_fp8(model: nn.Module, quantize: bool = False, device=None, keep_transposed: bool = False, **_) -> str:
     """fp8 frozen matmuls (flux_kernels.fp8) in every block's token-wise Linear layers; `quantize` also converts
     high-precision weights (on `device`, e.g. the GPU, when given); `keep_transposed` keeps each weight's transpose
-    for the input gradient (+1 byte per weight)."""
+    for the input gradient (+1 byte per weight). What is made on `device` stays there unless the model swaps
+    blocks (sd-scripts moves the rest of the model to the GPU next; with block swap some blocks stay on the host)."""
     from flux_kernels import fp8
 
     double, single = find_blocks(model)
     if not double and not single:
         raise ValueError(f"{type(model).__name__} has no FLUX double/single-stream blocks to patch")
     blocks = double + single
-    done, skipped, note = fp8.install(blocks, quantize=quantize, device=device, keep_transposed=keep_transposed)
+    stay = not getattr(model, "blocks_to_swap", None)
+    done, skipped, note = fp8.install(
+        blocks, quantize=quantize, device=device, keep_transposed=keep_transposed, stay=stay
+    )
     if not done:
         raise KernelError(f"fp8_matmul: none of the {skipped} block Linear layers qualify (fp8 weights, "
                           "frozen, dimensions multiples of 16)")  # fmt: skip

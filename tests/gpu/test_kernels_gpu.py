@@ -341,6 +341,25 @@ def test_fp8_quantised_on_the_cpu_then_moved_runs_without_host_syncs(dev, fm):
     assert all(t.is_cuda for _, lin in fp8.block_linears([block]) for t in lin._buffers.values())
 
 
+@pytest.mark.parametrize("swap", [False, True])
+def test_fp8_quantised_on_the_gpu_stays_there_unless_blocks_swap(dev, fm, swap):
+    """A model on the host, quantised on the GPU (what sd-scripts' order gives): without block swap the fp8
+    weights, scales and transposes stay on the GPU, with it they go back to the host; the same bytes either way."""
+    model = flux_block_pair(fm, 512, 4, 0.02).to(BF16).requires_grad_(False)
+    want = [fp8.quantize_weight(lin.weight.to(dev)) for _, lin in fp8.block_linears([*model.double_blocks])]
+    model.blocks_to_swap = 1 if swap else None
+    patch.install_fp8(model, quantize=True, device=dev, keep_transposed=True)
+    linears = [lin for _, lin in fp8.block_linears([*model.double_blocks])]
+    where = {t.device.type for lin in linears for t in (lin.weight, *lin._buffers.values())}
+    assert where == ({"cpu"} if swap else {"cuda"})
+    for lin, (w8, scale) in zip(linears, want, strict=True):
+        assert torch.equal(lin.weight.to(dev).view(torch.uint8), w8.view(torch.uint8))
+        assert torch.equal(lin._buffers[fp8.SCALE].to(dev), scale)
+        assert torch.equal(
+            lin._buffers[fp8.TRANSPOSED].to(dev).view(torch.uint8), w8.t().contiguous().view(torch.uint8)
+        )
+
+
 def test_fp8_compiled_blocks_keep_no_more_than_the_compiled_upcast_path(dev, fm, capsys):
     """The first fp8 training run peaked at 27 GiB instead of 14.8: inductor had moved the weight transpose of the
     input-gradient matmul into the forward graph and kept a transposed fp8 copy of every weight until backward."""

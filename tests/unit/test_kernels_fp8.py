@@ -277,6 +277,27 @@ def test_quantised_weights_scales_move_with_the_model(fm, lora_flux):
     assert all(lin._buffers[fp8.SCALE].device.type == "meta" for lin in linears)
 
 
+def test_made_on_the_device_stays_there_unless_the_model_swaps_blocks(fm, lora_flux, monkeypatch):
+    """Quantised weights, their scales and kept transposes stay where they were made when the model moves there next
+    (copying them back to the host took 12 s of a FLUX start); with block swap they go back (sd-scripts keeps some
+    blocks on the host). "meta" stands in for the GPU here; tests/gpu moves a model for real."""
+    model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
+    patch.install_fp8(model, quantize=True, device=torch.device("meta"), keep_transposed=True)
+    linears = [lin for _, lin in fp8.block_linears([*model.double_blocks, *model.single_blocks])]
+    assert len(linears) == 10
+    assert all(t.device.type == "meta" for lin in linears for t in (lin.weight, *lin._buffers.values()))
+    assert all(lin.weight.dtype == fp8.E4M3 and set(lin._buffers) == {fp8.SCALE, fp8.TRANSPOSED} for lin in linears)
+    seen = []
+    monkeypatch.setattr(fp8, "install", lambda blocks, **kw: seen.append(kw["stay"]) or (1, 0, ""))
+    model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
+    patch.install_fp8(model, quantize=True)
+    model.blocks_to_swap = 2
+    patch.install_fp8(model, quantize=True)
+    model.blocks_to_swap = None  # sd-scripts' value when it does not swap
+    patch.install_fp8(model, quantize=True)
+    assert seen == [True, False, True]
+
+
 def test_a_kept_transpose_gives_the_same_bits_and_is_what_the_input_gradient_reads():
     gen = torch.Generator().manual_seed(7)
     w8, scale = _weights("quantized", 96, 64, gen)
