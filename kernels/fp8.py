@@ -146,7 +146,9 @@ def _(g8: Tensor, sg: Tensor, w8: Tensor, wt8: Tensor | None = None) -> Tensor:
 def quantize_launch(k: int) -> tuple[int, int]:
     """tl_quantize's (columns per sweep step, warps) for rows k wide: the fastest measured on an H200 at FLUX's
     widths (4608 x 21504: 102 us at 4096/16 against 119 at 2048/8; 15360 and 12288 wide: 2048/8; 3072: 1024/4,
-    15 us against 19). Fewer, wider programs keep the rows of the second sweep in L2."""
+    15 us against 19). Fewer, wider programs keep the rows of the second sweep in L2. Retested 2026-11-23: the
+    launches fastest on cold inputs (2048/16 up to 10240 wide, 4096/16, 4096/32 over 16384; 3.3 of 18.9 ms less a
+    step in isolation) ran whole vram80 fp8 steps no faster (0.2950, 0.2942 against 0.2936, 0.2930 s), so not used."""
     if k <= 4096:
         return 1024, 4
     return (2048, 8) if k <= 16384 else (4096, 16)
