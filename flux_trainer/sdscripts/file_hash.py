@@ -69,8 +69,8 @@ def cached(compute: Callable[[str], str], cache: Path) -> Callable[[str], str]:
         t0 = time.perf_counter()
         digest = compute(filename)
         if _is_digest(digest):
-            table = _read(cache)
-            table.pop(key, None)
+            table = _read(cache)  # read again: another run may have kept a digest during this one's 20 s
+            table.pop(key, None)  # re-inserted last, so the newest entries are the ones kept
             table[key] = digest
             _write(cache, table)
             log.info(
