@@ -18,10 +18,12 @@ with dropout at 0 no random number is drawn at all).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import Tensor, nn
 
+GRAPH_RECORD_ENV = "FLUX_KERNELS_GRAPH_RECORD"  # "torch": keep torch's own recording lookups (to compare them)
 GRAD_HOOKS = "_flux_kernels_grad_hooks"  # img_in / txt_in forward hooks: one compiled double-block variant
 _saved: list[bool] = []  # the setting before `prefer_cacheable_rng` changed it (empty when it changed nothing)
 
@@ -76,10 +78,19 @@ def install(model: nn.Module, **opts) -> str:
     # the host-side RNG variant with the fused ops' blocks: wrong gradients at a second shape on the H200, see TRACED
     rng = prefer_cacheable_rng(cuda_graphs=graphs or bool(fused))
     combo = "combo kernels" if chosen.get("combo_kernels") else None
-    notes = [n for n in (rng, _one_double_variant(model, double), combo) if n]
+    notes = [n for n in (rng, _one_double_variant(model, double), combo, graphs and _graph_record()) if n]
     if fused:
         notes.append(f"{', '.join(fused)}: inductor's code inside the compiled blocks, see flux_kernels.fast.TRACED")
     return f"compile_blocks: {len(double)} double + {len(single)} single blocks" + "".join(f" ({n})" for n in notes)
+
+
+def _graph_record() -> str:
+    """flux_kernels.graph_record where the blocks replay from CUDA graphs, unless $FLUX_KERNELS_GRAPH_RECORD=torch."""
+    from flux_kernels import graph_record
+
+    if os.environ.get(GRAPH_RECORD_ENV, "").strip().lower() == "torch":
+        return f"CUDA graph recording: torch's own lookups ({GRAPH_RECORD_ENV}=torch)"
+    return graph_record.install()
 
 
 def _fused_ops(blocks: list[nn.Module]) -> list[str]:
@@ -109,9 +120,11 @@ def _hold_run_backend(block: nn.Module) -> None:
 
 def remove(model: nn.Module) -> list[str]:
     """Undo `install`: the blocks run uncompiled, the hooks go, torch's RNG setting is put back."""
+    from flux_kernels import graph_record
     from flux_kernels.patch import block_kind
 
     undone = ["compile_rng"] if restore() else []
+    undone += ["graph_record"] if graph_record.remove() else []
     for handle in model.__dict__.pop(GRAD_HOOKS, []):
         handle.remove()
     for b in model.modules():

@@ -9,7 +9,7 @@ from torch import nn
 from torch._functorch import config as functorch_config
 from torch._prims import rng_prims
 
-from flux_kernels import compile_blocks, patch
+from flux_kernels import compile_blocks, graph_record, patch
 from tests.conftest import tiny_flux, tiny_flux_forward
 
 
@@ -77,10 +77,12 @@ def test_install_compile_says_so_and_remove_kernels_restores(graphsafe_uncacheab
     assert "combo kernels" not in line
     patch.remove_kernels(model)
     line = compile_blocks.install(model, options={"triton.cudagraphs": True, "combo_kernels": True})  # the same
-    assert "RNG" not in line and line.endswith("(combo kernels)")
-    patch.remove_kernels(model)
+    assert "RNG" not in line and "(combo kernels)" in line
+    assert line.endswith("(CUDA graph recording: indexed alias lookups)") and graph_record.installed()
+    assert "graph_record" in patch.remove_kernels(model) and not graph_record.installed()
     line = compile_blocks.install(model)
     assert "RNG state saved on the host" in line and functorch_config.graphsafe_rng_functionalization is False
+    assert "CUDA graph" not in line and not graph_record.installed()  # no graphs: nothing recorded
     assert "compile_rng" in patch.remove_kernels(model)
     assert functorch_config.graphsafe_rng_functionalization is True
 
@@ -210,3 +212,12 @@ def test_compiled_blocks_with_a_chosen_backend_stay_in_the_autograd_cache(fm, tm
         torch._dynamo.reset()
     assert counters["aot_autograd"]["autograd_cache_miss"] > before["miss"]  # the graphs went through the cache
     assert counters["aot_autograd"]["autograd_cache_bypass"] == before["bypass"]
+
+
+def test_graph_recording_keeps_torchs_lookups_when_asked(monkeypatch):
+    monkeypatch.setenv(compile_blocks.GRAPH_RECORD_ENV, "torch")
+    model = Model()
+    line = compile_blocks.install(model, options={"triton.cudagraphs": True})
+    assert line.endswith("(CUDA graph recording: torch's own lookups (FLUX_KERNELS_GRAPH_RECORD=torch))")
+    assert not graph_record.installed()
+    assert "graph_record" not in patch.remove_kernels(model)
