@@ -18,7 +18,8 @@ without checkpointing) + lora_grad_norms (where a LoRA is applied) + prodigy_ste
 selective_checkpoint (where blocks are checkpointed) + compile_blocks; the Triton ones are opt-in (registry
 `in_auto`); "auto,name,-other" adds to and takes from auto (`request`). Modules: `reference` (sd-scripts' math),
 `fast` (Triton behind autograd.Function), `fp8` (fp8 matmuls as custom ops; `tl_transpose` its weight transpose),
-`lora_fold`, `lora_norms`, `selective_checkpoint`, `compile_blocks`, `activation_offload`, `attention` (backend
+`lora_fold`, `lora_norms`, `selective_checkpoint`, `compile_blocks` (with `graph_record`, CUDA graph recording
+without cudagraph trees' quadratic alias search), `activation_offload`, `attention` (backend
 probe and choice), `registry` (KernelSpec, probe, select), `patch` (installing into a built model), `device` (what
 device is this).
 """

@@ -6,7 +6,9 @@ blocks. For every input, static input and output of a new node, torch asks wheth
 earlier node of the path (`CUDAGraphNode._is_cuda_graph_recorded_tensor`, `_is_alias_of_live_recorded_tensor`), and
 answers by scanning every output of every node in the path. The blocks' forwards save dozens of activations each,
 so the work grows with the square of the path: on the H200 at `memory=vram80` the second step spent 12-20 s over a
-step, and stack samples of it sat in `_add_first_outputs` -> `_is_alias_of_live_recorded_tensor`.
+step, and stack samples of it sat in `_add_first_outputs` -> `_is_alias_of_live_recorded_tensor`. With these
+lookups, on an H100 (`memory=vram80 kernels=auto`, warm compile cache, one run each): 5.0 s against 12.2 s, the
+same s/step (0.369 / 0.368) and peaks.
 
 `install` gives `CUDAGraphNode` the same two questions answered through a dict from storage pointer to the path
 positions holding it. The dict is kept per node with a copy of the path's lists of weak references, and is used
