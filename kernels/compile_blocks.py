@@ -13,6 +13,14 @@ deterministic, and cacheable there, but not safe inside CUDA graphs. So, where t
 one and the blocks are not replayed from CUDA graphs, `install` turns torch's graph-safe RNG functionalisation off
 for the process (`remove` restores it). Nothing changes numerically: the same RNG state is restored either way (and
 with dropout at 0 no random number is drawn at all).
+
+Cacheable with flux_kernels' autograd.Functions (single_qkv's `_QKV`, lora_fold's `FoldedLoRA`). Dynamo traces
+their forward and backward into the block's graph, but AOTAutograd's cache refuses any graph holding one unless
+torch's `autograd_cache_allow_custom_autograd_functions` is on: at `memory=vram80` the single-block graph was
+compiled anew in every run (H100, warm cache: "autograd 2 hit / 0 miss / 1 bypass ... autograd_function_apply",
+4.2 s of compiling in the first step). Its key is the traced graph, forward and backward bodies included: a change
+in what a backward computes is a miss (a CPU test changes one and sees the miss). `install` turns the setting on
+for the process, `remove` puts it back.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from torch import Tensor, nn
 GRAPH_RECORD_ENV = "FLUX_KERNELS_GRAPH_RECORD"  # "torch": keep torch's own recording lookups (to compare them)
 GRAD_HOOKS = "_flux_kernels_grad_hooks"  # img_in / txt_in forward hooks: one compiled double-block variant
 _saved: list[bool] = []  # the setting before `prefer_cacheable_rng` changed it (empty when it changed nothing)
+_saved_functions: list[bool] = []  # likewise for `cache_autograd_functions`
+AUTOGRAD_FUNCTIONS = "autograd_cache_allow_custom_autograd_functions"  # torch._functorch.config's switch
 
 
 def _hops():
@@ -63,6 +73,29 @@ def restore() -> bool:
     return True
 
 
+def cache_autograd_functions() -> str | None:
+    """Let AOTAutograd's cache keep graphs that hold autograd.Functions (see above). Returns a note for the install
+    line, or None when nothing changed (already on, or a torch without the switch)."""
+    from torch._functorch import config
+
+    if getattr(config, AUTOGRAD_FUNCTIONS, True):
+        return None
+    _saved_functions.append(False)
+    setattr(config, AUTOGRAD_FUNCTIONS, True)
+    return "graphs with autograd.Functions cached"
+
+
+def restore_autograd_functions() -> bool:
+    """Put `cache_autograd_functions`' switch back; True when there was something to undo."""
+    from torch._functorch import config
+
+    if not _saved_functions:
+        return False
+    setattr(config, AUTOGRAD_FUNCTIONS, _saved_functions[0])
+    _saved_functions.clear()
+    return True
+
+
 def install(model: nn.Module, **opts) -> str:
     """`block.compile(**opts)` per block (compiles at first call, one graph per block kind and shape; numerically
     the same program, fused by inductor)."""
@@ -78,7 +111,8 @@ def install(model: nn.Module, **opts) -> str:
     # the host-side RNG variant with the fused ops' blocks: wrong gradients at a second shape on the H200, see TRACED
     rng = prefer_cacheable_rng(cuda_graphs=graphs or bool(fused))
     combo = "combo kernels" if chosen.get("combo_kernels") else None
-    notes = [n for n in (rng, _one_double_variant(model, double), combo, graphs and _graph_record()) if n]
+    cached = cache_autograd_functions()
+    notes = [n for n in (rng, cached, _one_double_variant(model, double), combo, graphs and _graph_record()) if n]
     if fused:
         notes.append(f"{', '.join(fused)}: inductor's code inside the compiled blocks, see flux_kernels.fast.TRACED")
     return f"compile_blocks: {len(double)} double + {len(single)} single blocks" + "".join(f" ({n})" for n in notes)
@@ -119,11 +153,12 @@ def _hold_run_backend(block: nn.Module) -> None:
 
 
 def remove(model: nn.Module) -> list[str]:
-    """Undo `install`: the blocks run uncompiled, the hooks go, torch's RNG setting is put back."""
+    """Undo `install`: the blocks run uncompiled, the hooks go, torch's settings are put back."""
     from flux_kernels import graph_record
     from flux_kernels.patch import block_kind
 
     undone = ["compile_rng"] if restore() else []
+    undone += ["compile_autograd_cache"] if restore_autograd_functions() else []
     undone += ["graph_record"] if graph_record.remove() else []
     for handle in model.__dict__.pop(GRAD_HOOKS, []):
         handle.remove()
