@@ -91,8 +91,8 @@ def probe(theirs: dict[str, Callable] | None = None, rounds: int = 40, seed: int
     cgt = _trees()
     theirs = theirs or {name: getattr(cgt.CUDAGraphNode, name) for name in METHODS}
     rng = random.Random(seed)
-    keep = [torch.randn(rng.randint(1, 4)) for _ in range(24)]  # alive through the probe
-    gone = [cgt.StorageWeakRefWrapper(torch.randn(3)) for _ in range(6)]  # their storages already freed
+    keep = [torch.randn(rng.randint(1, 4)) for _ in range(24)]  # alive until replaced (below)
+    gone: list[Any] = []  # references whose storages are already freed
 
     def ref() -> Any:
         pick = rng.random()
@@ -106,16 +106,19 @@ def probe(theirs: dict[str, Callable] | None = None, rounds: int = 40, seed: int
             return dead
         return cgt.StorageWeakRefWrapper(rng.choice(keep))
 
-    path = [[ref() for _ in range(rng.randint(0, 6))] for _ in range(8)]
-    node = _Path(path)
-    queries = keep + [k[1:] for k in keep if k.numel() > 1] + [torch.randn(2), torch.empty(0)]
+    node = _Path([])
     try:
+        gone.extend(cgt.StorageWeakRefWrapper(torch.randn(3)) for _ in range(6))
+        node.path_weakrefs.extend([ref() for _ in range(rng.randint(0, 6))] for _ in range(8))
+        path = node.path_weakrefs
         for r in range(rounds):
+            queries = keep + [k[1:] for k in keep if k.numel() > 1] + [torch.randn(2), torch.empty(0)]
             for t in rng.sample(queries, 8):
                 for name in METHODS:
                     want, got = theirs[name](node, t), OURS[name](node, t)
                     if want != got:
                         return False, f"{name} answered {got!r} where torch answers {want!r} (round {r})"
+            del queries, t
             change = rng.random()  # then change the path as torch does: outputs added, references replaced
             level = rng.choice(path)
             if change < 0.4:
@@ -124,8 +127,8 @@ def probe(theirs: dict[str, Callable] | None = None, rounds: int = 40, seed: int
                 level[rng.randrange(len(level))] = ref()
             elif change < 0.8:
                 path.append([ref() for _ in range(3)])
-            else:
-                keep[rng.randrange(len(keep))] = torch.randn(2)  # a storage freed: its references die
+            else:  # a storage freed (its references die) and a new one made, maybe at its address
+                keep[rng.randrange(len(keep))] = torch.randn(2)
     except Exception as e:  # torch's methods read more than the path here: not the code this was written for
         return False, f"this torch's CUDAGraphNode does not take the probe ({type(e).__name__}: {e})"
     finally:
