@@ -40,7 +40,7 @@ def _no_backward(q, k, v, mask):
     return _math(q.detach(), k.detach(), v.detach(), mask)
 
 
-FAKE_MS = {"math": 1.0, "slow_math": 2.0}
+FAKE_MS = {"math": 1.0, "slow_math": 2.0, "draws": 3.0}
 
 
 def fake_timer(name, run):
@@ -70,6 +70,26 @@ def test_probe_rejects_wrong_backends_and_picks_the_fastest_correct(tmp_path, wi
     assert not by_name["no_backward"].ok and "RuntimeError" in by_name["no_backward"].error
     assert by_name["gpu_only"].error == "needs CUDA (device is cpu)"
     assert not by_name["sage"].ok and "no backward" in by_name["sage"].error
+
+
+def test_the_probe_leaves_the_runs_random_streams_as_they_were(tmp_path):
+    """A backend that draws random numbers (as a fused op's dropout state can): the run, seeded before the probe,
+    goes on drawing what it would have drawn had the verdict come from the cache."""
+
+    def draws(q, k, v, mask):
+        torch.rand(3)  # the global generator
+        return _math(q, k, v, mask)
+
+    backends = {"math": FAKES["math"], "draws": AttentionBackend("draws", draws, cuda_only=False)}
+    before = torch.get_rng_state()
+    draws(*(torch.randn(SHAPE) for _ in range(3)), None)
+    assert not torch.equal(torch.get_rng_state(), before)  # it does draw
+    torch.manual_seed(7)
+    want = torch.rand(4)
+    torch.manual_seed(7)
+    results = probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends, use_cache=False, timer=fake_timer)
+    assert {r.name for r in results if r.ok} == {"math", "draws"}
+    assert torch.equal(torch.rand(4), want)
 
 
 def test_real_backends_on_cpu(tmp_path):
