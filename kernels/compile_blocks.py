@@ -33,9 +33,9 @@ from torch import Tensor, nn
 
 GRAPH_RECORD_ENV = "FLUX_KERNELS_GRAPH_RECORD"  # "torch": keep torch's own recording lookups (to compare them)
 GRAD_HOOKS = "_flux_kernels_grad_hooks"  # img_in / txt_in forward hooks: one compiled double-block variant
-_saved: list[bool] = []  # the setting before `prefer_cacheable_rng` changed it (empty when it changed nothing)
-_saved_functions: list[bool] = []  # likewise for `cache_autograd_functions`
-AUTOGRAD_FUNCTIONS = "autograd_cache_allow_custom_autograd_functions"  # torch._functorch.config's switch
+_saved: dict[str, bool] = {}  # torch._functorch.config settings `install` changed, as they were before
+GRAPHSAFE_RNG = "graphsafe_rng_functionalization"  # torch._functorch.config's switches changed here
+AUTOGRAD_FUNCTIONS = "autograd_cache_allow_custom_autograd_functions"
 
 
 def _hops():
@@ -50,6 +50,24 @@ def graphsafe_rng_blocks_cache() -> bool:
     return not graphsafe.cacheable() and all(op.cacheable() for op in plain)
 
 
+def _override(name: str, value: bool) -> None:
+    """Set torch._functorch.config.<name> for the process, keeping what it was for `_put_back`."""
+    from torch._functorch import config
+
+    _saved.setdefault(name, getattr(config, name))
+    setattr(config, name, value)
+
+
+def _put_back(name: str) -> bool:
+    """Undo `_override(name, ...)`; True when there was something to undo."""
+    from torch._functorch import config
+
+    if name not in _saved:
+        return False
+    setattr(config, name, _saved.pop(name))
+    return True
+
+
 def prefer_cacheable_rng(cuda_graphs: bool) -> str | None:
     """Turn the graph-safe RNG functionalisation off where it is what keeps checkpointed graphs out of the cache
     and CUDA graphs do not need it. Returns a note for the install line, or None when nothing changed."""
@@ -57,20 +75,13 @@ def prefer_cacheable_rng(cuda_graphs: bool) -> str | None:
 
     if cuda_graphs or not config.graphsafe_rng_functionalization or not graphsafe_rng_blocks_cache():
         return None
-    _saved.append(config.graphsafe_rng_functionalization)
-    config.graphsafe_rng_functionalization = False
+    _override(GRAPHSAFE_RNG, False)
     return "checkpointed blocks' RNG state saved on the host (cacheable on this torch)"
 
 
 def restore() -> bool:
     """Put torch's setting back as it was before `prefer_cacheable_rng`; True when there was something to undo."""
-    from torch._functorch import config
-
-    if not _saved:
-        return False
-    config.graphsafe_rng_functionalization = _saved[0]
-    _saved.clear()
-    return True
+    return _put_back(GRAPHSAFE_RNG)
 
 
 def cache_autograd_functions() -> str | None:
@@ -80,20 +91,13 @@ def cache_autograd_functions() -> str | None:
 
     if getattr(config, AUTOGRAD_FUNCTIONS, True):
         return None
-    _saved_functions.append(False)
-    setattr(config, AUTOGRAD_FUNCTIONS, True)
+    _override(AUTOGRAD_FUNCTIONS, True)
     return "graphs with autograd.Functions cached"
 
 
 def restore_autograd_functions() -> bool:
     """Put `cache_autograd_functions`' switch back; True when there was something to undo."""
-    from torch._functorch import config
-
-    if not _saved_functions:
-        return False
-    setattr(config, AUTOGRAD_FUNCTIONS, _saved_functions[0])
-    _saved_functions.clear()
-    return True
+    return _put_back(AUTOGRAD_FUNCTIONS)
 
 
 def install(model: nn.Module, **opts) -> str:
