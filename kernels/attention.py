@@ -302,8 +302,9 @@ def probe_attention(
             return [BackendResult(**r) for r in hit]
     # The random streams are put back as they were. The probe runs after the run is seeded, at its first forward, and
     # only where the verdict is not cached: whatever it draws from a generator (a fused attention op's dropout state,
-    # say) would give a run that probes other noise and timesteps than the same run with the verdict cached (seen
-    # on an H100 at vram80, same seed: step 1's loss 1.80 in the run that probed, 3.03 in the next).
+    # say) would give a run that probes other noise and timesteps than the same run with the verdict cached. (On an
+    # H100 at vram80, same seed, a run that probed logged step 1's loss 1.80 and the next one 3.03; that the probe
+    # caused it is not shown.)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         results = _measure(shape, dtype, dev, with_mask, backends, warmup, reps, timer)
     if use_cache:
