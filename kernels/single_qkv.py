@@ -119,16 +119,16 @@ def _triton_backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_acts) -> list[Te
     for lin, q_scale, k_scale, rq, rk in _groups(saved, 5):
         B, L, W = lin.shape
         grad = torch.empty((B, L, W), dtype=lin.dtype, device=lin.device)
+        if W > ctx.width:
+            # GELU's part first, in torch ops: inductor fuses it with what makes d_act (in a LoRA run, the sum of
+            # the frozen and the LoRA input gradients of linear2) in one pass over the buffer's full width (its
+            # slice_scatter on a fresh buffer), and the kernel then writes q, k, v's columns in place. After the
+            # kernel, the same assignment would make inductor copy the kernel's columns into a new buffer; an
+            # as_strided view avoided that, but functionalization bans a mutation through as_strided on a view
+            # chain, and one H100 compile hit it
+            grad[..., ctx.width :] = torch.ops.aten.gelu_backward(next(d_acts), lin[..., ctx.width :], approximate="tanh")
         qkv_grads = (_rows(d, start, L) for d in (dq, dk, dv))
         fast._kernel("single_qkv_bwd", lin)(*qkv_grads, lin, rq, rk, q_scale, k_scale, _rows(pe, start, L), grad)
-        if W > ctx.width:
-            # GELU's part in place, in torch ops: inductor fuses it with what makes d_act (in a LoRA run, the sum
-            # of the frozen and the LoRA input gradients of linear2) and writes straight into the kernel's buffer.
-            # Through an as_strided view, which inductor's reinplacing always keeps a mutation: a slice assignment
-            # becomes a slice_scatter that it would make a new buffer of, copying the kernel's columns over (a
-            # pass a block)
-            gelu_part = grad.as_strided((B, L, W - ctx.width), (L * W, W, 1), ctx.width)
-            gelu_part.copy_(torch.ops.aten.gelu_backward(next(d_acts), lin[..., ctx.width :], approximate="tanh"))
         grads.append(grad)
         start += L
     return grads

@@ -183,15 +183,18 @@ def test_traced_code_calls_the_custom_op_on_the_gradients_as_they_come(monkeypat
     code = "\n".join(gm.code for gm in backward_graphs)
     assert "flux_kernels.single_qkv_bwd" in code and "triton_kernel_wrapper" not in code, code
     assert "aten.clone" not in code, code
+    # functionalization bans a mutation through as_strided on a view (pytorch issue 104505): an H100 compile
+    # once failed on it here, so GELU's columns are written through a plain slice
+    assert "as_strided" not in code, code
     assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
 
 
 def test_inductor_writes_gelus_gradient_into_the_kernels_buffer(monkeypatch):
     """The Triton kernel writes q, k, v's columns of linear1's gradient into a buffer; GELU's columns go into the
     same buffer, computed by inductor's own kernel (fused with whatever makes GELU's incoming gradient: here a
-    sum, as the LoRA's in training). Written as a slice assignment, inductor would instead build a new buffer and
-    copy the kernel's columns over (its functional slice_scatter): the buffer handed to the kernel must be the one
-    the compiled backward returns."""
+    sum, as the LoRA's in training) before the kernel runs. Assigned after the kernel, inductor would instead
+    build a new buffer and copy the kernel's columns over (its functional slice_scatter): the buffer handed to
+    the kernel must be the one the compiled backward returns."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     from torch._inductor.utils import run_and_get_code
