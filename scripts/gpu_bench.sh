@@ -2,12 +2,13 @@
 # `flux-train bench` on the lent GPU machine (../shared/GPU.md), one call: install the carried wheels, generate
 # the random full-size model, run the bench with the given arguments, dump every TensorBoard tag of the runs.
 # carry: .whl (../shared/gpu/wheels.sh) and .gpu/sd-scripts.   Usage: [TAG=name] bash scripts/gpu_bench.sh BENCH_ARGS...
-# (TAG names the run root /tmp/TAG and the files $OUT/TAG.json, .log, -tags.txt: several benches in one call)
+# (TAG names the run root /tmp/TAG and the files $OUT/TAG.json, .log, -tags.txt: several benches in one call;
+#  KERNELS=dir runs another copy of kernels/ as flux_kernels, to compare two versions of a kernel in one call)
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; TAG=${TAG:-bench}
 REPO=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING || true
-mkdir -p /tmp/pkgs && ln -sfn "$REPO/kernels" /tmp/pkgs/flux_kernels   # the wheel maps kernels/ -> flux_kernels
+mkdir -p /tmp/pkgs && ln -sfn "${KERNELS:-$REPO/kernels}" /tmp/pkgs/flux_kernels   # the wheel maps kernels/ -> flux_kernels
 export PYTHONPATH=/tmp/site:/tmp/pkgs:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=/tmp/ftcache
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
 cd /tmp
