@@ -52,6 +52,29 @@ def _missing_module(m: re.Match) -> str:
     return f"cause: Python module '{name}' is missing: pip install {_PIP_NAMES.get(top, top)}"
 
 
+def _kernel_names() -> set[str]:
+    try:  # on the failure path only: the registry imports torch
+        from flux_kernels.registry import REGISTRY
+    except ImportError:
+        return set()
+    return set(REGISTRY)
+
+
+def _compile_failed(text: str) -> str:
+    """torch.compile stopped (flux_kernels compiles the model's blocks): name the kernel whose module the traceback
+    shows last, so that the run can go on without it; with none shown, the blocks' compilation itself."""
+    names = _kernel_names()
+    shown = [n for n in re.findall(r"flux_kernels[/\\](\w+)\.py", text) if n in names and n != "compile_blocks"]
+    if shown:
+        fix = f"the traceback goes through the {shown[-1]} kernel: leave it out, e.g. kernels.set='auto,-{shown[-1]}'"
+    else:
+        fix = "kernels.set='auto,-compile_blocks' keeps the other kernels with blocks that are not compiled"
+    return (
+        f"cause: torch.compile failed. {fix}; kernels=off runs plain sd-scripts. The error above is torch's; "
+        "please report it with this log."
+    )
+
+
 _CAUSES: tuple[tuple[str, Callable[[re.Match, str | None], str]], ...] = (
     (
         r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory",
@@ -97,6 +120,21 @@ _CAUSES: tuple[tuple[str, Callable[[re.Match, str | None], str]], ...] = (
             f"cause: a kernel named in kernels= cannot run here{f' ({m.group(1)})' if m.group(1) else ''}; the "
             "ERROR line above says why. Remove it from kernels.set, or use kernels=auto, which installs only what "
             "applies and passes its probe on this machine."
+        ),
+    ),
+    (
+        r"torch\._dynamo\.exc\.(?:BackendCompilerFailed|InternalTorchDynamoError|TorchRuntimeError)|"
+        r"torch\._inductor\.exc\.\w+Error|During torch\.compile, ",
+        lambda m, tier: _compile_failed(m.string),
+    ),
+    (
+        r"File \"[^\"\n]*cudagraph_trees\.py\"[^\n]*\n(?:[^\n]*\n){0,12}?\s*(?:AssertionError|RuntimeError)\b|"
+        r"accessing tensor output of CUDAGraphs that has been overwritten",
+        lambda m, tier: (
+            "cause: replaying the compiled blocks from CUDA graphs failed (torch's cudagraph trees). "
+            "kernels.cuda_graphs=false runs them without graphs. A profiler or stack sampler inside the training "
+            "process that reads its Python frames (sys._current_frames) can cause this: profile from outside it "
+            "(py-spy, Nsight Systems)."
         ),
     ),
     (

@@ -20,3 +20,59 @@ def test_a_named_kernel_that_cannot_run_is_explained():
     assert explain_failure(["INFO     kernels: off (plain sd-scripts compute path)"], None).startswith(
         "cause: not recognised"
     )
+
+
+# the ends of two real logs (H100, 2026-11-25), shortened: a compile error inside single_qkv's backward, and CUDA
+# graph replay failing with a stack sampler in the process
+_COMPILE_FAILED = """\
+  File "/tmp/pkgs/flux_kernels/compile_blocks.py", line 116, in call
+    return compiled(*args, **kwargs)
+torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:
+RuntimeError: During torch.compile, encountered a mutation on a view chain of length 2, where view 1 was an as_strided() call.
+While executing %copy_ : [num_users=0] = call_method[target=copy_](args = (%gelu_part, %gelu_backward), kwargs = {})
+Original traceback:
+  File "/work/main/.gpu/sd-scripts/library/flux_models.py", line 858, in forward
+  File "/tmp/pkgs/flux_kernels/patch.py", line 160, in _single_forward
+  File "/tmp/pkgs/flux_kernels/single_qkv.py", line 201, in single_qkv
+  File "/tmp/pkgs/flux_kernels/single_qkv.py", line 131, in _triton_backward
+steps:   0%|          | 0/12 [00:25<?, ?it/s]"""
+
+_GRAPHS_FAILED = """\
+  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/_inductor/cudagraph_trees.py", line 2300, in _run
+    self.apply_checkpoint_execution_state_in_allocator()
+  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/_inductor/cudagraph_trees.py", line 2700, in apply_checkpoint_execution_state_in_allocator
+    assert storage_ptr is not None
+           ^^^^^^^^^^^^^^^^^^^^^^^
+AssertionError
+steps:  33%|███▎      | 4/12 [01:17<02:35, 19.41s/it, avr_loss=2.62]"""
+
+
+def test_a_compile_error_names_the_kernel_its_traceback_goes_through():
+    from flux_trainer.launch.failure import explain_failure
+
+    text = explain_failure(_COMPILE_FAILED.splitlines(), "vram80")
+    assert text.startswith("cause: torch.compile failed") and "kernels.set='auto,-single_qkv'" in text, text
+    # no kernel's module in the traceback (compile_blocks' own frame is where every block compiles): the blocks
+    without = [line for line in _COMPILE_FAILED.splitlines() if "single_qkv" not in line]
+    assert "kernels.set='auto,-compile_blocks'" in explain_failure(without, "vram80")
+
+
+def test_cuda_graph_replay_failing_points_at_cuda_graphs_false():
+    from flux_trainer.launch.failure import explain_failure
+
+    text = explain_failure(_GRAPHS_FAILED.splitlines(), "vram80")
+    assert text.startswith("cause: replaying the compiled blocks from CUDA graphs failed"), text
+    assert "kernels.cuda_graphs=false" in text
+    recorded = ['  File "x/torch/_inductor/cudagraph_trees.py", line 1806, in check_invariants', "    torch._check(",
+                "RuntimeError: TODO: graph recording observed an input tensor deallocate during graph  recording"]
+    assert "kernels.cuda_graphs=false" in explain_failure(recorded, None)
+
+
+def test_out_of_memory_inside_cuda_graphs_or_compile_is_still_out_of_memory():
+    from flux_trainer.launch.failure import explain_failure
+
+    in_graphs = _GRAPHS_FAILED.splitlines()[:2] + ["RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    assert explain_failure(in_graphs, "vram80").startswith("cause: the GPU ran out of memory"), in_graphs
+    in_compile = ["torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:",
+                  "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    assert explain_failure(in_compile, "vram80").startswith("cause: the GPU ran out of memory")
