@@ -126,7 +126,8 @@ def _triton_backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_acts) -> list[Te
             # kernel, the same assignment would make inductor copy the kernel's columns into a new buffer; an
             # as_strided view avoided that, but functionalization bans a mutation through as_strided on a view
             # chain, and one H100 compile hit it
-            grad[..., ctx.width :] = torch.ops.aten.gelu_backward(next(d_acts), lin[..., ctx.width :], approximate="tanh")
+            d_gelu = torch.ops.aten.gelu_backward(next(d_acts), lin[..., ctx.width :], approximate="tanh")
+            grad[..., ctx.width :] = d_gelu
         qkv_grads = (_rows(d, start, L) for d in (dq, dk, dv))
         fast._kernel("single_qkv_bwd", lin)(*qkv_grads, lin, rq, rk, q_scale, k_scale, _rows(pe, start, L), grad)
         grads.append(grad)

@@ -28,7 +28,7 @@ _COMPILE_FAILED = """\
   File "/tmp/pkgs/flux_kernels/compile_blocks.py", line 116, in call
     return compiled(*args, **kwargs)
 torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:
-RuntimeError: During torch.compile, encountered a mutation on a view chain of length 2, where view 1 was an as_strided() call.
+RuntimeError: During torch.compile, encountered a mutation on a view chain of length 2, where view 1 was an
 While executing %copy_ : [num_users=0] = call_method[target=copy_](args = (%gelu_part, %gelu_backward), kwargs = {})
 Original traceback:
   File "/work/main/.gpu/sd-scripts/library/flux_models.py", line 858, in forward
@@ -40,7 +40,7 @@ steps:   0%|          | 0/12 [00:25<?, ?it/s]"""
 _GRAPHS_FAILED = """\
   File "/opt/torch/.venv/lib/python3.12/site-packages/torch/_inductor/cudagraph_trees.py", line 2300, in _run
     self.apply_checkpoint_execution_state_in_allocator()
-  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/_inductor/cudagraph_trees.py", line 2700, in apply_checkpoint_execution_state_in_allocator
+  File "/opt/venv/torch/_inductor/cudagraph_trees.py", line 2700, in apply_checkpoint_execution_state_in_allocator
     assert storage_ptr is not None
            ^^^^^^^^^^^^^^^^^^^^^^^
 AssertionError
@@ -63,8 +63,11 @@ def test_cuda_graph_replay_failing_points_at_cuda_graphs_false():
     text = explain_failure(_GRAPHS_FAILED.splitlines(), "vram80")
     assert text.startswith("cause: replaying the compiled blocks from CUDA graphs failed"), text
     assert "kernels.cuda_graphs=false" in text
-    recorded = ['  File "x/torch/_inductor/cudagraph_trees.py", line 1806, in check_invariants', "    torch._check(",
-                "RuntimeError: TODO: graph recording observed an input tensor deallocate during graph  recording"]
+    recorded = [
+        '  File "x/torch/_inductor/cudagraph_trees.py", line 1806, in check_invariants',
+        "    torch._check(",
+        "RuntimeError: TODO: graph recording observed an input tensor deallocate during graph  recording",
+    ]
     assert "kernels.cuda_graphs=false" in explain_failure(recorded, None)
 
 
@@ -73,6 +76,8 @@ def test_out_of_memory_inside_cuda_graphs_or_compile_is_still_out_of_memory():
 
     in_graphs = _GRAPHS_FAILED.splitlines()[:2] + ["RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"]
     assert explain_failure(in_graphs, "vram80").startswith("cause: the GPU ran out of memory"), in_graphs
-    in_compile = ["torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:",
-                  "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    in_compile = [
+        "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    ]
     assert explain_failure(in_compile, "vram80").startswith("cause: the GPU ran out of memory")
