@@ -52,18 +52,13 @@ def _missing_module(m: re.Match) -> str:
     return f"cause: Python module '{name}' is missing: pip install {_PIP_NAMES.get(top, top)}"
 
 
-def _kernel_names() -> set[str]:
-    try:  # on the failure path only: the registry imports torch
-        from flux_kernels.registry import REGISTRY
-    except ImportError:
-        return set()
-    return set(REGISTRY)
-
-
 def _compile_failed(text: str) -> str:
     """torch.compile stopped (flux_kernels compiles the model's blocks): name the kernel whose module the traceback
     shows last, so that the run can go on without it; with none shown, the blocks' compilation itself."""
-    names = _kernel_names()
+    try:  # on the failure path only: the registry imports torch
+        from flux_kernels.registry import REGISTRY as names
+    except ImportError:
+        names = {}
     shown = [n for n in re.findall(r"flux_kernels[/\\](\w+)\.py", text) if n in names and n != "compile_blocks"]
     if shown:
         fix = f"the traceback goes through the {shown[-1]} kernel: leave it out, e.g. kernels.set='auto,-{shown[-1]}'"
