@@ -4,7 +4,7 @@ and health per step, run texts once. Kept apart from runner.py so it is testable
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,8 @@ class RunHooks:
         the network's per-step `grad_norms()` (sd-scripts logs its mean) is served from the batched norms, and its
         weight-norm loops run over the modules with GGPO only."""
         self._micro_steps += 1
+        if self._micro_steps == 1 and "compile_blocks" in self.kernels_installed:
+            self._compiled = CompileState.now()  # what was compiled before training (the registry's compile probe)
         if self._micro_steps == 1 and network is not None and "lora_grad_norms" in self.kernels_installed:
             from flux_kernels import lora_norms
 
@@ -193,8 +195,8 @@ class RunHooks:
         that compiled more (selective checkpointing's plan at the second step, a new bucket shape): what it compiled."""
         reasons = self._bypass_reasons.reasons if self._bypass_reasons else None
         if step == COMPILE_CHECKED_AT:
-            self._compiled = CompileState.now()
-            self._compile_cache = report_compile_cache(reasons, self._compiled)
+            before, self._compiled = self._compiled, CompileState.now()
+            self._compile_cache = report_compile_cache(reasons, self._compiled, before=before)
         elif self._compiled is not None and compile_cache_counts() != self._compiled.counts:  # the counters alone
             self._compiled, since = CompileState.now(), self._compiled
             report_compile_cache(reasons, self._compiled, since=since, step=step)
@@ -591,14 +593,48 @@ def compile_seconds() -> float | None:
         return None
 
 
+# Where torch.compile's seconds go, from torch's own timers (torch._dynamo.utils.compilation_time_metrics: seconds
+# per call of each timed function; private, so a torch without them only loses the breakdown). They do not nest in
+# one another; what they leave out (AOTAutograd's tracing and partitioning, cache lookups) is shown as "other".
+COMPILE_PHASES = (
+    ("tracing", ("bytecode_tracing",)),  # dynamo running the blocks' Python bytecode
+    ("compiling", ("compile_fx_inner",)),  # inductor: generating and compiling kernels, or its FX graph cache
+    ("loading cached code", ("AOTAutogradCache.inductor_load",)),  # a whole forward/backward from the cache
+    ("cache keys", ("inductor_codecache_torch_key", "CacheBase.get_system.triton_key")),  # torch's, Triton's hashes
+    ("guards", ("build_guards",)),
+)
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds spent so far in each of COMPILE_PHASES (empty where this torch does not time them)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as timed
+    except ImportError:
+        return {}
+    return {name: float(sum(sum(timed.get(key, ())) for key in keys)) for name, keys in COMPILE_PHASES}
+
+
 @dataclass(frozen=True)
 class CompileState:
     counts: dict[str, int]
     seconds: float | None
+    phases: dict[str, float] = field(default_factory=dict)
 
     @staticmethod
     def now() -> CompileState:
-        return CompileState(compile_cache_counts(), compile_seconds())
+        return CompileState(compile_cache_counts(), compile_seconds(), compile_phases())
+
+    def graphs(self) -> int:
+        """Forward/backward graphs through AOTAutograd so far, from its cache or not."""
+        return sum(self.counts.get(f"autograd_{outcome}", 0) for outcome in ("hit", "miss", "bypass"))
+
+
+def _phase_breakdown(seconds: float, phases: dict[str, float]) -> str:
+    """ " (tracing 1.3 s, loading cached code 1.5 s, ..., other 0.3 s)": the phases of at least 0.05 s."""
+    shown = [(name, t) for name, t in phases.items() if t >= 0.05]
+    if (other := seconds - sum(phases.values())) >= 0.05 and shown:
+        shown.append(("other", other))
+    return f" ({', '.join(f'{name} {t:.1f} s' for name, t in shown)})" if shown else ""
 
 
 def report_compile_cache(
@@ -606,19 +642,26 @@ def report_compile_cache(
     now: CompileState | None = None,
     since: CompileState | None = None,
     step: int | None = None,
+    before: CompileState | None = None,
 ) -> str:
     """After the first step: how much of the compiling came from the cache (a second run of the same shapes
-    should be all hits), how long it took, and why some of it cannot be cached (torch's reasons, when they were
-    collected). With `since`: what was compiled after that (at `step`). Logged, and returned for TensorBoard."""
+    should be all hits), how long it took and where that went, and why some of it cannot be cached (torch's
+    reasons, when they were collected). `before`: the state when training started, so the line counts the first
+    step's own compiling and names what was compiled before it apart (the registry's compile probe). With `since`:
+    what was compiled after that (at `step`). Logged, and returned for TensorBoard."""
     now = now or CompileState.now()
+    since = since or before
     c = {k: v - (since.counts.get(k, 0) if since else 0) for k, v in now.counts.items()}
     seconds = now.seconds - (since.seconds or 0.0) if since and now.seconds is not None else now.seconds
+    phases = {k: v - (since.phases.get(k, 0.0) if since else 0.0) for k, v in now.phases.items()}
     head = "torch.compile cache" if step is None else f"torch.compile at step {step}, compiled again: cache"
     line = f"{head}: " + ", ".join(
         f"{n} {c[n + '_hit']} hit / {c[n + '_miss']} miss / {c[n + '_bypass']} bypass" for n in ("inductor", "autograd")
     )
     if seconds is not None:
-        line += f"; {seconds:.1f} s compiling"
+        line += f"; {seconds:.1f} s compiling" + _phase_breakdown(seconds, phases)
+    if before is not None and before.graphs() and before.seconds is not None:
+        line += f"; before training {before.graphs()} graph(s), {before.seconds:.1f} s (kernel probes)"
     if c["inductor_bypass"] or c["autograd_bypass"]:
         why = "; ".join(f"{reason} ({n}x)" for reason, n in (bypass_reasons or {}).items())
         why = f"torch says: {why}" if why else "TORCH_LOGS=aot,inductor says why"

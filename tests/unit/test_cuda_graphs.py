@@ -180,6 +180,7 @@ def test_compile_cache_outcomes_are_reported_after_the_first_step(tmp_path, monk
     monkeypatch.setattr(
         hooks_mod, "compile_seconds", lambda: 20.0 if counters["inductor"]["fxgraph_cache_hit"] > 5 else 12.5
     )
+    monkeypatch.setattr(hooks_mod, "compile_phases", dict)  # torch's phase timers: none here (test below)
     caplog.set_level(logging.INFO, logger="flux_trainer.runner")
     h = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={"enabled": False}), tmp_path)
     h.kernels_installed = ["compile_blocks"]
@@ -207,6 +208,47 @@ def test_compile_cache_outcomes_are_reported_after_the_first_step(tmp_path, monk
     h.step_end(None, {}, step + 1)
     assert "autograd 0 hit / 0 miss / 4 bypass; 0.0 s" in caplog.text and "TORCH_LOGS=aot,inductor" in caplog.text
     assert caplog.records[-1].levelname == "WARNING"
+
+
+def test_first_step_compiling_is_its_own_with_torch_phases(tmp_path, monkeypatch, caplog):
+    """The first step's line counts what that step compiled, not the registry's compile probe before training
+    (named apart), and says where its seconds went, from torch's phase timers."""
+    from torch._dynamo.utils import counters
+
+    state = {"seconds": 0.4, "phases": {"tracing": 0.1, "cache keys": 0.0}}  # the probe's tiny graph, compiled cold
+    for group, key, n in (("inductor", "fxgraph_cache_hit", 2), ("aot_autograd", "autograd_cache_hit", 1)):
+        monkeypatch.setitem(counters[group], key, n)
+    for group, key in (("inductor", "fxgraph_cache_miss"), ("aot_autograd", "autograd_cache_miss")):
+        monkeypatch.setitem(counters[group], key, 0)
+    monkeypatch.setattr(hooks_mod, "compile_seconds", lambda: state["seconds"])
+    monkeypatch.setattr(hooks_mod, "compile_phases", lambda: dict(state["phases"]))
+    caplog.set_level(logging.INFO, logger="flux_trainer.runner")
+    h = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={"enabled": False}), tmp_path)
+    h.kernels_installed = ["compile_blocks"]
+    h.step_start()  # training starts: what was compiled so far is the probe's
+    monkeypatch.setitem(counters["inductor"], "fxgraph_cache_hit", 6)  # the first step: two block graphs from cache
+    monkeypatch.setitem(counters["aot_autograd"], "autograd_cache_hit", 3)
+    state["seconds"] = 4.0
+    state["phases"] = {"tracing": 1.5, "loading cached code": 1.6, "cache keys": 0.36, "guards": 0.02}
+    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT)
+    assert (
+        "torch.compile cache: inductor 4 hit / 0 miss / 0 bypass, autograd 2 hit / 0 miss / 0 bypass; 3.6 s compiling "
+        "(tracing 1.4 s, loading cached code 1.6 s, cache keys 0.4 s, other 0.2 s); before training 1 graph(s), 0.4 s "
+        "(kernel probes)"
+    ) in caplog.text
+    assert h._compile_cache.startswith("torch.compile cache: inductor 4 hit")
+
+
+def test_compile_phases_are_read_from_torch(monkeypatch):
+    """compile_phases sums torch's own per-call timers into the phases shown, and a torch that timed nothing gives
+    zeros rather than an error."""
+    from torch._dynamo import utils
+
+    timed = {"bytecode_tracing": [0.5, 0.25], "CacheBase.get_system.triton_key": [0.2]}
+    monkeypatch.setattr(utils, "compilation_time_metrics", {**timed, "inductor_codecache_torch_key": [0.1]})
+    phases = hooks_mod.compile_phases()
+    assert phases["tracing"] == 0.75 and abs(phases["cache keys"] - 0.3) < 1e-9 and phases["compiling"] == 0.0
+    assert set(phases) == {name for name, _ in hooks_mod.COMPILE_PHASES}
 
 
 def test_cache_bypass_reasons_come_from_torch_itself(tmp_path, monkeypatch, caplog, torch_config):
