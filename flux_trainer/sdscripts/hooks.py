@@ -10,9 +10,10 @@ from typing import Any
 
 log = logging.getLogger("flux_trainer.runner")
 RANK_REDUCE_EVERY = 25  # steps between the max-over-ranks VRAM collective (one gather + one host copy)
-COMPILE_CHECKED_AT = 1  # optimizer step after which the compiled blocks' forward and backward exist
-OFFLOAD_REPORTED_AT = 2  # optimizer step after which activation_offload carries checkpoint_skip=auto's plan
-GRAPHS_CHECKED_AT = 3  # optimizer step after which the compiled blocks have been recorded as CUDA graphs
+# Optimizer steps of this process (a resumed run counts from its own first step, whatever sd-scripts' global step):
+COMPILE_CHECKED_AT = 1  # after which the compiled blocks' forward and backward exist
+OFFLOAD_REPORTED_AT = 2  # after which activation_offload carries checkpoint_skip=auto's plan
+GRAPHS_CHECKED_AT = 3  # after which the compiled blocks have been recorded as CUDA graphs
 RUN_TEXT_FILES = {"config": "config.yaml", "command": "command.txt", "environment": "env.json"}
 
 
@@ -34,6 +35,7 @@ class RunHooks:
         self._texts_written = False
         self._samples_logged: set[str] = set()
         self._micro_steps = 0
+        self._steps_ended = 0  # optimizer steps this process has logged (step_end calls)
         self._ranks_peak: dict[str, float] = {}
         self._max_steps = 0
         self._optimizer_kernels: list[str] = []
@@ -191,10 +193,11 @@ class RunHooks:
             )
 
     def report_compiling(self, step: int) -> None:
-        """After the first step: the compile caches' outcomes and the seconds spent compiling. After a later step
-        that compiled more (selective checkpointing's plan at the second step, a new bucket shape): what it compiled."""
+        """After this process's first step: the compile caches' outcomes and the seconds spent compiling. After a
+        later step that compiled more (selective checkpointing's plan at the second step, a new bucket shape): what
+        it compiled. `step` is sd-scripts' global step, for the message."""
         reasons = self._bypass_reasons.reasons if self._bypass_reasons else None
-        if step == COMPILE_CHECKED_AT:
+        if self._steps_ended == COMPILE_CHECKED_AT:
             before, self._compiled = self._compiled, CompileState.now()
             self._compile_cache = report_compile_cache(reasons, self._compiled, before=before)
         elif self._compiled is not None and compile_cache_counts() != self._compiled.counts:  # the counters alone
@@ -205,6 +208,7 @@ class RunHooks:
         """Tags to add to sd-scripts' logs for this step. Runs on the main process only (sd-scripts tracks there).
         A profile window still open after the last step closes here, so it holds training steps only, not the final
         save (which once passed for 456 syncs per step: the LoRA's tensors copied to the CPU)."""
+        self._steps_ended += 1
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
         if self.norms is not None:
@@ -212,11 +216,11 @@ class RunHooks:
             self.norms.flush(accelerator.log)
         if "compile_blocks" in self.kernels_installed:
             self.report_compiling(global_step)
-        if "cuda_graphs" in self.kernels_installed and global_step == GRAPHS_CHECKED_AT:
+        if "cuda_graphs" in self.kernels_installed and self._steps_ended == GRAPHS_CHECKED_AT:
             self.report_cudagraph_skips()
         if self.fit is not None:
             self.fit.note_peak()  # before the step metrics reset PyTorch's peak
-        offloaded = self.offloaded(global_step)
+        offloaded = self.offloaded()
         if self.metrics is None:
             return {}
         if not self._texts_written:
@@ -248,9 +252,10 @@ class RunHooks:
         if self.norms is not None and self._max_steps and global_step >= self._max_steps:
             self.norms.flush(accelerator.log, wait=True)
 
-    def offloaded(self, global_step: int) -> dict[str, float]:
+    def offloaded(self) -> dict[str, float]:
         """activation_offload's step: `memory/offloaded_gib` (what the last forward sent to host memory), and after
-        the second step (the first with selective checkpointing's plan) a log line with the host memory it holds."""
+        this process's second step (the first with selective checkpointing's plan) a log line with the host memory it
+        holds."""
         if "activation_offload" not in self.kernels_installed or self._unet is None:
             return {}
         from flux_kernels.activation_offload import offloader_of
@@ -258,7 +263,7 @@ class RunHooks:
         off = offloader_of(self._unet)
         if off is None:
             return {}
-        if global_step == OFFLOAD_REPORTED_AT:
+        if self._steps_ended == OFFLOAD_REPORTED_AT:
             log.info(
                 "activation_offload: %d saved tensors, %.2f GiB a step to host memory and back (%.2f GiB page-locked)",
                 off.step_tensors,

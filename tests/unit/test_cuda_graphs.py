@@ -160,7 +160,13 @@ def test_every_step_starts_a_new_graph_generation_and_skips_are_reported(tmp_pat
     assert "every compiled block replays from CUDA graphs" in caplog.text
     monkeypatch.setitem(counters["inductor"], "cudagraph_skips", 2)
     caplog.clear()
-    h.step_end(None, {}, hooks_mod.GRAPHS_CHECKED_AT)
+    h.step_end(None, {}, 4)
+    assert "CUDA graph" not in caplog.text  # said once, after this process's third step
+    resumed = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={}), tmp_path)
+    resumed.kernels_installed = ["compile_blocks", "cuda_graphs"]
+    for step in (101, 102, 103):  # a run resumed at step 100: its third step here is the one recorded by then
+        resumed.step_start()
+        resumed.step_end(None, {}, step)
     assert "2 compiled graph(s) run without them" in caplog.text
 
 
@@ -184,21 +190,19 @@ def test_compile_cache_outcomes_are_reported_after_the_first_step(tmp_path, monk
     caplog.set_level(logging.INFO, logger="flux_trainer.runner")
     h = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={"enabled": False}), tmp_path)
     h.kernels_installed = ["compile_blocks"]
-    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT + 1)
-    assert "torch.compile" not in caplog.text  # nothing before the first step's report
-    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT)
+    h.step_end(None, {}, 101)  # this process's first step, in a run resumed at step 100
     assert (
         "torch.compile cache: inductor 5 hit / 2 miss / 0 bypass, autograd 3 hit / 1 miss / 0 bypass; 12.5 s compiling"
         in caplog.text
     )
     assert "WARNING" not in caplog.text
     caplog.clear()
-    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT + 1)
+    h.step_end(None, {}, 102)
     assert "torch.compile" not in caplog.text  # a later step that compiled nothing says nothing
     monkeypatch.setitem(counters["inductor"], "fxgraph_cache_hit", 7)  # a later step compiles two graphs more
     monkeypatch.setitem(counters["aot_autograd"], "autograd_cache_hit", 4)
-    h.step_end(None, {}, hooks_mod.COMPILE_CHECKED_AT + 2)
-    step = hooks_mod.COMPILE_CHECKED_AT + 2
+    step = 103
+    h.step_end(None, {}, step)
     assert (
         f"torch.compile at step {step}, compiled again: cache: inductor 2 hit / 0 miss / 0 bypass, autograd 1 hit / "
         "0 miss / 0 bypass; 7.5 s compiling"
