@@ -4,6 +4,7 @@ and health per step, run texts once. Kept apart from runner.py so it is testable
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -483,7 +484,9 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
         options["compile_blocks"] = {"options": inductor}
     if graphs:
         options["activation_offload"] = {"graphs": True}  # its copies must not race the replays
+    start = time.perf_counter()
     installed = patch.apply_kernels(unet, selection, options=options)
+    log.info("kernels: probes %s; installing %.1f s", selection.probe_time(), time.perf_counter() - start)
     if graphs and "compile_blocks" in installed:
         installed.append("cuda_graphs")
     return installed

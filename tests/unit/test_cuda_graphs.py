@@ -92,19 +92,22 @@ def fake_kernels(monkeypatch, installed, skipped=None):
         seen.update(options)
         return list(selection.installed)
 
-    monkeypatch.setattr(registry, "select", lambda *a, **k: SimpleNamespace(installed=installed, skipped=skipped or {}))
+    selection = registry.Selection(tuple(installed), skipped or {}, seconds={"compile_blocks": 0.4, "attention": 0.01})
+    monkeypatch.setattr(registry, "select", lambda *a, **k: selection)
     monkeypatch.setattr(patch, "apply_kernels", apply)
     return seen
 
 
-def test_graphs_compile_the_blocks_in_reduce_overhead_mode(monkeypatch):
+def test_graphs_compile_the_blocks_in_reduce_overhead_mode(monkeypatch, caplog):
     import torch
 
     # torch.compile's mode="reduce-overhead" is these inductor options, which combo_kernels can join (a mode cannot)
     assert torch._inductor.list_mode_options("reduce-overhead") == hooks_mod.CUDA_GRAPHS_OPTIONS
     seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
-    got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True}, "cuda")
+    with caplog.at_level(logging.INFO, logger="flux_trainer.runner"):
+        got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True}, "cuda")
     assert got == ["attention", "compile_blocks", "cuda_graphs"]
+    assert "kernels: probes 0.4 s (compile_blocks 0.4 s); installing 0.0 s" in caplog.text  # the start-up they cost
     assert seen["compile_blocks"] == {"options": {"triton.cudagraphs": True}}
     assert seen["activation_offload"] == {"graphs": True}  # its copies wait for nothing the replays do otherwise
     seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))

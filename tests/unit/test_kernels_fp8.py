@@ -388,15 +388,13 @@ def test_nothing_eligible_is_an_error_naming_why(fm, lora_flux):
     ],
 )
 def test_where_the_transposes_are_kept_and_the_runner_passes_it_on(compose, monkeypatch, overrides, want):
-    from types import SimpleNamespace
-
     from flux_trainer.config.validate import fp8_keep_transposed_decision
     from flux_trainer.sdscripts import hooks
 
     decision = fp8_keep_transposed_decision(compose("+dataset=mychar", *overrides))
     assert decision is want
     seen = {}
-    monkeypatch.setattr(registry, "select", lambda *a, **k: SimpleNamespace(installed=("fp8_matmul",), skipped={}))
+    monkeypatch.setattr(registry, "select", lambda *a, **k: registry.Selection(("fp8_matmul",)))
     monkeypatch.setattr(patch, "apply_kernels", lambda unet, selection, options: seen.update(options) or ["x"])
     hooks.install_kernels(None, {"set": "fp8", "fp8_keep_transposed": decision}, "cuda")
     assert seen["fp8_matmul"] == {"keep_transposed": want}

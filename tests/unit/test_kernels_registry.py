@@ -77,6 +77,28 @@ def test_auto_installs_what_passes_and_skips_the_rest_with_one_log_line_each(cap
     assert "skipped: off_by_a_little (probe failed" in sel.summary()
 
 
+def test_each_kernels_probe_time_is_kept_and_summed_slowest_first():
+    """The wall time of each candidate's applies + probe (the start-up cost before training), for the run log."""
+    import time
+
+    def slow_check(seconds):
+        def check(device):
+            time.sleep(seconds)
+            return True, "checked"
+
+        return check
+
+    slow = dataclasses.replace(GOOD, name="slow", check=slow_check(0.3))
+    slower = dataclasses.replace(GOOD, name="slower", check=slow_check(0.6))
+    sel = select("auto", "cpu", registry={**TEST_REGISTRY, "slow": slow, "slower": slower})
+    assert set(sel.seconds) == set(TEST_REGISTRY) | {"slow", "slower"}  # skipped ones too: they were probed
+    assert 0.3 <= sel.seconds["slow"] < 0.6 <= sel.seconds["slower"] and sel.seconds["needs_gpu"] < 0.05
+    line = sel.probe_time()
+    assert line.startswith(f"{sum(sel.seconds.values()):.1f} s (slower 0.") and ", slow 0.3 s" in line
+    assert "needs_gpu" not in line  # under 0.05 s: not named
+    assert registry.Selection(()).probe_time() == "0.0 s"
+
+
 def test_explicit_request_that_cannot_run_raises_with_the_reason():
     assert select(["good"], "cpu", registry=TEST_REGISTRY).installed == ("good",)
     with pytest.raises(KernelError, match="'needs_gpu' cannot run on cpu: needs a CUDA GPU"):
