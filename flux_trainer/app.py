@@ -182,9 +182,16 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
         if paths.tracker_config:
             paths.tracker_config.write_text(tracker_document().dumps(), encoding="utf-8")
         if checkout is not None:
-            from flux_trainer.sdscripts.live_check import live_check
+            from flux_trainer.sdscripts import live_check
 
-            problems = live_check(sd_checkout.import_sd_scripts(checkout.path), train_toml, dataset_toml)
+            problems = live_check.checked(
+                lambda: sd_checkout.import_sd_scripts(checkout.path),
+                checkout.path,
+                train_toml,
+                dataset_toml,
+                run_dir,
+                cache_root() / live_check.CACHE_FILE,
+            )
             if problems:
                 raise ConfigError(problems)
         accel_path = run_dir / "accelerate.yaml"
