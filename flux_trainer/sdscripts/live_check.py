@@ -3,10 +3,10 @@
 The committed schema catches unknown keys without a checkout; this catches what only the real code knows
 (a commit whose parser changed, a dataset value its voluptuous schema refuses).
 
-Importing sd-scripts for it (transformers, diffusers, its library) cost the launcher seconds at every start (on
-this project's 2-core CPU the training process started 4.0-4.4 s after the command, 2.3-2.4 s without it), while a
-run's TOMLs are mostly ones an earlier run had: the same config again, a resume. `checked` keeps the verdicts that passed in
-flux-train's cache folder, keyed by everything the check reads: the two files (the run dir's own path, which
+Importing sd-scripts for it (transformers, diffusers, its library) cost the launcher seconds at every start (on this
+project's 2-core CPU the training process started 4.0-4.4 s after the command, 2.3-2.4 s without it), while a run's
+TOMLs are mostly ones an earlier run had: the same config again, a resume. `checked` keeps the verdicts that passed
+in flux-train's cache folder, keyed by everything the check reads: the two files (the run dir's own path, which
 differs per run, replaced), the checkout's Python files (path, size, modification time), the versions of the
 packages that parse and validate them, and this module's code. A pair that passed is not imported and checked again.
 """

@@ -60,7 +60,7 @@ class RunnerSpec:
 def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) -> type:
     """Our FluxNetworkTrainer subclass, built against the checkout imported at run time."""
     from flux_trainer.config.paths import cache_root
-    from flux_trainer.sdscripts import file_hash, hooks
+    from flux_trainer.sdscripts import file_hash, hooks, te_cache
 
     base = mods.flux_train_network.FluxNetworkTrainer
 
@@ -107,8 +107,16 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
             self.flux_train.model_loaded(result[3], accelerator)
             return result
 
-        def cache_text_encoder_outputs_if_needed(self, args, *rest):
-            result = super().cache_text_encoder_outputs_if_needed(args, *rest)  # the last cache sd-scripts builds
+        def cache_text_encoder_outputs_if_needed(self, args, accelerator, unet, vae, text_encoders, dataset, dtype):
+            strategy = mods.train_util.TextEncoderOutputsCachingStrategy.get_strategy()
+            if te_cache.all_on_disk(args, dataset, strategy):  # sd-scripts would move the models to encode nothing
+                dataset.new_cache_text_encoder_outputs(text_encoders, accelerator)  # its check; records the files
+                log.info("text-encoder outputs: every one on disk, the models stay where they are (no T5 to the GPU)")
+                result = None
+            else:  # the last cache sd-scripts builds
+                result = super().cache_text_encoder_outputs_if_needed(
+                    args, accelerator, unet, vae, text_encoders, dataset, dtype
+                )
             self.flux_train.caches_ready(args)
             return result
 
