@@ -111,6 +111,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
             strategy = mods.train_util.TextEncoderOutputsCachingStrategy.get_strategy()
             if te_cache.all_on_disk(args, dataset, strategy):  # sd-scripts would move the models to encode nothing
                 dataset.new_cache_text_encoder_outputs(text_encoders, accelerator)  # its check; records the files
+                accelerator.wait_for_everyone()  # as many barriers as sd-scripts' path: ranks that disagree still meet
                 log.info("text-encoder outputs: every one on disk, the models stay where they are (no T5 to the GPU)")
                 result = None
             else:  # the last cache sd-scripts builds
