@@ -14,6 +14,7 @@ file_hash).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -103,7 +104,8 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
                 self.is_swapping_blocks = False
                 result = (mods.flux_utils.MODEL_VERSION_FLUX_V1, [clip_l, t5xxl], ae, flux)
             else:
-                result = super().load_target_model(args, weight_dtype, accelerator)
+                with loading_threads():
+                    result = super().load_target_model(args, weight_dtype, accelerator)
             self.flux_train.model_loaded(result[3], accelerator)
             return result
 
@@ -153,6 +155,28 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
             self.flux_train.step_logged(accelerator, global_step)
 
     return FluxTrainTrainer
+
+
+@contextlib.contextmanager
+def loading_threads():
+    """While sd-scripts loads the base model, torch's CPU ops may use this process's share of the cores instead of
+    launcher.cpu_threads_per_process (2 by default, so that training processes and their data loaders do not
+    oversubscribe the cores). On an fp8 base (the 12-24 GB tiers) sd-scripts casts a bf16 FLUX.1-dev to fp8 on the
+    CPU at every start, 11.9B elements, and the cast scales with threads: on this project's 2-core CPU 9.6-9.7 s with
+    one thread, 4.9-5.2 s with two (268M elements timed, three times each). The share is the cores this process may
+    run on, divided among the node's training processes (LOCAL_WORLD_SIZE); the setting is put back before training."""
+    import torch
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(before, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1))
+    if share > before:
+        log.info("loading the base model with %d CPU threads (training keeps %d)", share, before)
+    torch.set_num_threads(share)
+    try:
+        yield share
+    finally:
+        torch.set_num_threads(before)
 
 
 def parse_sd_scripts_args(mods: SdScriptsModules, spec: RunnerSpec) -> argparse.Namespace:
