@@ -163,8 +163,9 @@ def loading_threads():
     launcher.cpu_threads_per_process (2 by default, so that training processes and their data loaders do not
     oversubscribe the cores). On an fp8 base (the 12-24 GB tiers) sd-scripts casts a bf16 FLUX.1-dev to fp8 on the
     CPU at every start, 11.9B elements, and the cast scales with threads: on this project's 2-core CPU 9.6-9.7 s with
-    one thread, 4.9-5.2 s with two (268M elements timed, three times each). The share is the cores this process may
-    run on, divided among the node's training processes (LOCAL_WORLD_SIZE); the setting is put back before training."""
+    one thread, 4.9-5.2 s with two (scaled from a 268M-element cast, three each). The share is the cores this process
+    may run on, divided among the node's training processes (LOCAL_WORLD_SIZE); the setting is put back before
+    training."""
     import torch
 
     before = torch.get_num_threads()
