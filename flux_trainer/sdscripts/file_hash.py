@@ -39,13 +39,23 @@ def _read(cache: Path) -> dict[str, str]:
     return {k: v for k, v in table.items() if _is_digest(v)} if isinstance(table, dict) else {}
 
 
-def _write(cache: Path, table: dict[str, str]) -> None:
-    """Atomically (other processes of a multi-GPU run may write the same entry), or not at all."""
+def write_json_atomic(path: Path, data: object) -> None:
+    """`data` as JSON into `path`, whole or not at all (other processes, e.g. a multi-GPU run's, may write it too);
+    raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dict(list(table.items())[-KEEP:]), indent=1) + "\n")
-        os.replace(tmp, cache)
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write(cache: Path, table: dict[str, str]) -> None:
+    """Atomically, or not at all."""
+    try:
+        write_json_atomic(cache, dict(list(table.items())[-KEEP:]))
     except OSError as exc:
         log.warning("could not keep the model hash in %s (%s): the next run computes it again", cache, exc)
 

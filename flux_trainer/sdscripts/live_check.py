@@ -18,7 +18,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -27,6 +26,7 @@ from pathlib import Path
 import toml
 
 from flux_trainer.sdscripts.checkout import SdScriptsModules, sd_scripts_argv
+from flux_trainer.sdscripts.file_hash import write_json_atomic
 from flux_trainer.sdscripts.parser_schema import check_training_keys, describe_parser
 
 log = logging.getLogger("flux_trainer.live_check")
@@ -105,10 +105,7 @@ def checked(
     if not problems:
         keys = [k for k in _passed(cache) if k != key] + [key]
         try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(keys[-KEEP:], indent=1) + "\n")
-            os.replace(tmp, cache)
+            write_json_atomic(cache, keys[-KEEP:])
         except OSError as exc:
             log.warning("could not keep the check's verdict in %s (%s): the next run checks again", cache, exc)
     return problems

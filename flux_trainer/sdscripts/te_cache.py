@@ -5,7 +5,8 @@ the text encoders (T5-XXL: 9.5 GB in bf16) to the GPU, asks the dataset to cache
 back, whether anything was missing or not. In a warm `vram80` run on the H200 (2026-11-25) the log spent ~7 s
 between those lines, with every output on disk. The runner asks first, with sd-scripts' own caching strategy
 (`all_on_disk`); when every image's outputs are on disk and no sample prompt needs encoding, the dataset still runs
-its own check (which records each image's file, what training reads) with the models left where they are.
+its own check (which records each image's file, what training reads) with the models left where they are. So each
+file is checked twice (here, then by the dataset): small reads against the model moves they save.
 """
 
 from __future__ import annotations
