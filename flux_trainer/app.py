@@ -13,6 +13,7 @@ import logging
 import os
 import shlex
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,6 +283,7 @@ def _flops_options(cfg: DictConfig) -> dict:
 
 def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = None, info=None) -> int:
     """Prepare the run dir and, unless dry_run, launch the training child. Returns the exit code."""
+    began = time.time()
     try:
         prepared = prepare(cfg, run_dir, search_dirs=search_dirs, info=info)
     except FinishedRun:
@@ -305,13 +307,14 @@ def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = No
         device = "cuda" if (info or launch_device.detect_device()).family != "cpu" else "cpu"
         ensure_random_model(model_cache(cfg.model_cache), prepared.random_preset, device=device, log=say)
     from flux_trainer.launch.supervise import run_supervised
+    from flux_trainer.metrics.startup import launch_env
     from flux_trainer.sdscripts.runner import child_exit_code
 
     say(f"TensorBoard: tensorboard --logdir {Path(cfg.logging.root).resolve()}")
     log_path = prepared.run_dir / "train.log"
     code = run_supervised(
         prepared.command,
-        prepared.env,
+        {**prepared.env, **launch_env(began)},  # when this command began and started the child: the start-up line
         log_path,
         memory_tier=cfg.memory.tier,
         exit_code=functools.partial(child_exit_code, prepared.run_dir),

@@ -38,6 +38,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MethodType
@@ -429,13 +430,24 @@ def apply_kernels(
     *,
     options: Mapping[str, Mapping] | None = None,
     verify: bool = True,
+    seconds: dict[str, float] | None = None,
 ) -> list[str]:
     """Install `selection.specs` (from `registry.select`) into `flux_model`; returns the installed names.
     `options` maps a kernel name to its install options. With `verify`, the patched blocks are first checked
     against sd-scripts' own forward; if they differ, the block patches are undone and then, for kernels the
     user named, KernelError is raised, while for `auto` one warning says so and training goes on without them.
     `compile_blocks` is installed after the other patches, so what it compiles includes them (only
-    `activation_offload`, which wraps the compiled calls, comes after it)."""
+    `activation_offload`, which wraps the compiled calls, comes after it). `seconds`, when given, receives the wall
+    time of each install (by kernel name) and of the verification ("verify")."""
+    seconds = {} if seconds is None else seconds
+
+    def timed(name: str, install: Callable[[], str]) -> str:
+        start = time.perf_counter()
+        try:
+            return install()
+        finally:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
     options = {name: dict(o) for name, o in (options or {}).items()}
     insists = getattr(selection, "insists", None) or (lambda name: getattr(selection, "explicit", True))
     if getattr(selection, "device", None) is not None:  # probe attention where training runs, not where the model is
@@ -455,10 +467,13 @@ def apply_kernels(
         return ok
 
     block_specs = [s for s in selection.specs if s.name in BLOCK_OPS and applies(s)]
-    lines = [s.install(flux_model, **options.get(s.name, {})) for s in block_specs]
+    lines = [timed(s.name, lambda s=s: s.install(flux_model, **options.get(s.name, {}))) for s in block_specs]
     if verify and block_specs:
         try:
-            for note in verify_blocks(flux_model):
+            start = time.perf_counter()
+            notes = verify_blocks(flux_model)
+            seconds["verify"] = time.perf_counter() - start
+            for note in notes:
                 log.warning("flux_kernels: %s", note)
         except ValueError as e:
             remove_kernels(flux_model)
@@ -470,7 +485,7 @@ def apply_kernels(
     installed = list(block_specs)
     for spec in selection.specs:
         if spec.name not in BLOCK_OPS and applies(spec):  # in order, each judged after the ones before it
-            lines.append(spec.install(flux_model, **options.get(spec.name, {})))
+            lines.append(timed(spec.name, lambda spec=spec: spec.install(flux_model, **options.get(spec.name, {}))))
             installed.append(spec)
     for line in lines:
         log.info("flux_kernels installed %s", line)

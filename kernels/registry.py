@@ -42,7 +42,7 @@ from flux_kernels import selective_checkpoint as sac
 from flux_kernels.attention import SAGE_REASON, chosen, probe_attention
 from flux_kernels.device import DeviceInfo, as_device_info, triton_available, triton_interpreting
 from flux_kernels.patch import KernelError
-from flux_kernels.request import KernelRequest, parse_request
+from flux_kernels.request import KERNEL_NAMES, KernelRequest, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,16 @@ class Selection:
         return f"kernels: {', '.join(self.installed) or 'none'}" + (f"; skipped: {skipped}" if skipped else "")
 
     def probe_time(self) -> str:
-        """ "4.8 s (single_qkv 1.2 s, compile_blocks 0.4 s, ...)": the probes' wall time before training, slowest
-        first, the kernels that took at least 0.05 s named."""
-        named = sorted(((t, n) for n, t in self.seconds.items() if t >= 0.05), reverse=True)
-        parts = ", ".join(f"{n} {t:.1f} s" for t, n in named)
-        return f"{sum(self.seconds.values()):.1f} s" + (f" ({parts})" if parts else "")
+        """ "4.8 s (single_qkv 1.2 s, compile_blocks 0.4 s, ...)": the probes' wall time before training."""
+        return seconds_by_name(self.seconds)
+
+
+def seconds_by_name(seconds: Mapping[str, float]) -> str:
+    """ "4.8 s (single_qkv 1.2 s, compile_blocks 0.4 s, ...)": the total, then the parts of at least 0.05 s, slowest
+    first."""
+    named = sorted(((t, n) for n, t in seconds.items() if t >= 0.05), reverse=True)
+    parts = ", ".join(f"{n} {t:.1f} s" for t, n in named)
+    return f"{sum(seconds.values()):.1f} s" + (f" ({parts})" if parts else "")
 
 
 # ---- applies ----------------------------------------------------------------------------------------------------
@@ -582,6 +587,10 @@ REGISTRY: dict[str, KernelSpec] = {
         ),
     )
 }
+if tuple(REGISTRY) != KERNEL_NAMES:  # the launcher checks configurations against KERNEL_NAMES without this module
+    raise RuntimeError(
+        f"flux_kernels.request.KERNEL_NAMES must list the registry's kernels in order: {tuple(REGISTRY)}"
+    )
 
 
 def _request(requested: str | Iterable[str] | None, registry: Mapping[str, KernelSpec]) -> KernelRequest:

@@ -12,6 +12,28 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# every kernel of the registry (flux_kernels.registry.REGISTRY, which checks that it holds exactly these, in this
+# order): the launcher checks a configuration's names against it without importing torch and the kernels
+KERNEL_NAMES = (
+    "attention",
+    "qk_norm_rope",
+    "modulate",
+    "gated_residual",
+    "gated_modulate",
+    "single_qkv",
+    "double_qkv",
+    "fp8_matmul",
+    "lora_fold",
+    "flux_prologue",
+    "lora_grad_norms",
+    "prodigy_step",
+    "adamw_step",
+    "single_process_reduce",
+    "selective_checkpoint",
+    "compile_blocks",
+    "activation_offload",
+)
+
 
 @dataclass(frozen=True)
 class KernelRequest:

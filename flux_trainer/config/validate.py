@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from flux_kernels.request import parse_request
+from flux_kernels.request import KERNEL_NAMES, parse_request
 from flux_trainer.config.errors import ConfigError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -229,10 +229,8 @@ def checkpoint_skip_setting(value) -> str | int:
 
 def kernel_set_problem(kernel_set: str) -> str | None:
     """What is wrong with kernels.set (None: nothing), before the model loads: unknown names, `-name` without auto."""
-    from flux_kernels.registry import REGISTRY
-
     try:
-        parse_request(str(kernel_set), REGISTRY)
+        parse_request(str(kernel_set), KERNEL_NAMES)  # the registry's names, without importing torch and the kernels
     except ValueError as e:
         return f"kernels.set={kernel_set}: {e}"
     return None

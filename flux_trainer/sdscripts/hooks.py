@@ -4,7 +4,6 @@ and health per step, run texts once. Kept apart from runner.py so it is testable
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,12 @@ class NonFiniteLoss(RuntimeError):
 
 
 class RunHooks:
-    def __init__(self, spec: Any, run_dir: Path) -> None:
+    def __init__(self, spec: Any, run_dir: Path, startup: Any = None) -> None:
+        from flux_trainer.metrics.startup import StartupClock
+
         self.spec = spec
+        self.startup = startup if startup is not None else StartupClock.from_env()  # phases up to the first step
+        self._startup_line = ""
         self.run_dir = Path(run_dir)
         self.metrics = None
         self.loss_guard = None
@@ -52,11 +55,13 @@ class RunHooks:
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
+        self.startup.mark("model load")
 
     def caches_ready(self, args: Any) -> None:
         """Re-seed once the latent / text-encoder caches exist. Building them draws random numbers (the VAE samples
         its latents), so without this a run that builds the caches and a run that reuses them would start training
         from different random states: different LoRA init, data order and noise for the same seed."""
+        self.startup.mark("caches")
         if getattr(args, "seed", None) is None:
             return
         from accelerate.utils import set_seed
@@ -97,10 +102,12 @@ class RunHooks:
 
     def optimizer_created(self, optimizer: Any) -> None:
         """sd-scripts just built the optimizer (before its LR scheduler wraps the step): optimizer kernels go in."""
+        self.startup.mark("LoRA and optimizer")
         self._optimizer_kernels = install_optimizer_kernels(optimizer, self.spec.kernels)
 
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
+        self.startup.mark("kernels")
         self._unet = unet
         if "compile_blocks" in self.kernels_installed:
             self._bypass_reasons = CacheBypassReasons().install()  # the blocks compile at their first call, later
@@ -140,6 +147,8 @@ class RunHooks:
         the network's per-step `grad_norms()` (sd-scripts logs its mean) is served from the batched norms, and its
         weight-norm loops run over the modules with GGPO only."""
         self._micro_steps += 1
+        if self._micro_steps == 1:
+            self.startup.mark("prepare")  # accelerate's prepare (the model to the device), the loop's set-up
         if self._micro_steps == 1 and "compile_blocks" in self.kernels_installed:
             self._compiled = CompileState.now()  # what was compiled before training (the registry's compile probe)
         if self._micro_steps == 1 and network is not None and "lora_grad_norms" in self.kernels_installed:
@@ -210,6 +219,10 @@ class RunHooks:
         A profile window still open after the last step closes here, so it holds training steps only, not the final
         save (which once passed for 456 syncs per step: the LoRA's tensors copied to the CPU)."""
         self._steps_ended += 1
+        if self._steps_ended == 1:
+            self.startup.mark("first step")
+            self._startup_line = self.startup.line()
+            log.info(self._startup_line)
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
         if self.norms is not None:
@@ -229,6 +242,8 @@ class RunHooks:
             self.write_run_texts(accelerator)
             throttle_tracker_flush(accelerator)
         tags = self.metrics.on_step_end(global_step)
+        if self._steps_ended == 1:
+            tags["time/startup_s"] = self.startup.total()
         tags.update(self._ranks_peak)
         self._ranks_peak = {}
         if self.fit is not None and self.fit.total:
@@ -335,6 +350,8 @@ class RunHooks:
             texts["attention"] = attention_decision(self._unet) or "no decision yet (no forward at a FLUX shape)"
         if self._compile_cache:
             texts["compile_cache"] = self._compile_cache
+        if self._startup_line:
+            texts["startup"] = self._startup_line
         write_run_text(logdir, texts)
         if (self.run_dir / "config.yaml").exists():
             import yaml
@@ -484,9 +501,9 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
         options["compile_blocks"] = {"options": inductor}
     if graphs:
         options["activation_offload"] = {"graphs": True}  # its copies must not race the replays
-    start = time.perf_counter()
-    installed = patch.apply_kernels(unet, selection, options=options)
-    log.info("kernels: probes %s; installing %.1f s", selection.probe_time(), time.perf_counter() - start)
+    seconds: dict[str, float] = {}
+    installed = patch.apply_kernels(unet, selection, options=options, seconds=seconds)
+    log.info("kernels: probes %s; installing %s", selection.probe_time(), registry.seconds_by_name(seconds))
     if graphs and "compile_blocks" in installed:
         installed.append("cuda_graphs")
     return installed

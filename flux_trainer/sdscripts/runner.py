@@ -58,8 +58,9 @@ class RunnerSpec:
         return cls(**json.loads((run_dir / RUNNER_SPEC).read_text()))
 
 
-def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) -> type:
-    """Our FluxNetworkTrainer subclass, built against the checkout imported at run time."""
+def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, startup: Any = None) -> type:
+    """Our FluxNetworkTrainer subclass, built against the checkout imported at run time. `startup`: this process's
+    StartupClock (metrics.startup), marked at each phase sd-scripts goes through until the first step."""
     from flux_trainer.config.paths import cache_root
     from flux_trainer.sdscripts import file_hash, hooks, te_cache
 
@@ -68,7 +69,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
     class FluxTrainTrainer(base):
         def __init__(self) -> None:
             super().__init__()
-            self.flux_train = hooks.RunHooks(spec, run_dir)
+            self.flux_train = hooks.RunHooks(spec, run_dir, startup=startup)
 
         def train(self, args):
             # sd-scripts builds the optimizer with a module function, inside train(), and gives it to no method we
@@ -93,6 +94,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path) 
                 self.flux_train.train_finished()
 
         def load_target_model(self, args, weight_dtype, accelerator):
+            self.flux_train.startup.mark("settings and dataset")
             if spec.random_model_dir:
                 from flux_trainer.sdscripts.random_model import load_random_models
 
@@ -203,13 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     apply_vram_cap(os.environ.get(VRAM_CAP_ENV))
     from flux_kernels.patch import KernelError
+    from flux_trainer.metrics.startup import StartupClock
     from flux_trainer.sdscripts.hooks import NonFiniteLoss
 
+    startup = StartupClock.from_env()
     code, reason = 1, "crashed"
     try:
         mods = import_sd_scripts(spec.sd_scripts)
+        startup.mark("imports")
         args = parse_sd_scripts_args(mods, spec)
-        trainer = make_trainer_class(mods, spec, ns.run_dir)()
+        trainer = make_trainer_class(mods, spec, ns.run_dir, startup)()
         trainer.train(args)
         code, reason = 0, "finished"
     except KernelError as exc:

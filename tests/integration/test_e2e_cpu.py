@@ -147,6 +147,18 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     assert all(v > 0 for _, v in scalars["norm/avg_grad_norm"])
     assert "sync-free steps: the loss read from a" in (run_dir / "train.log").read_text()
     assert "lora_grad_norms: 13 LoRA modules" in " ".join((run_dir / "train.log").read_text().split())
+    # where the start-up went, from the command to the first step's end: the phases that take time even with the tiny
+    # model (the line leaves out those under 0.05 s), in their order
+    startup = texts["run/startup"]
+    phases = ["flux-train", "accelerate launch", "imports", "caches", "first step"]
+    at = [startup.find(f" {p} ") for p in phases]
+    assert startup.startswith("start-up ") and -1 not in at and at == sorted(at), startup
+    assert " ".join(startup.split()[:4]) in " ".join((run_dir / "train.log").read_text().split())  # wrapped by rich
+    total = float(startup.split()[1])
+    assert [s for s, _ in scalars["time/startup_s"]] == [1] and scalars["time/startup_s"][0][1] == pytest.approx(
+        total, abs=0.06
+    )
+    assert 1.0 < total < 600
 
 
 def test_profile_written_when_the_run_ends_inside_its_window(trained):

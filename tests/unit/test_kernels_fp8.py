@@ -395,7 +395,7 @@ def test_where_the_transposes_are_kept_and_the_runner_passes_it_on(compose, monk
     assert decision is want
     seen = {}
     monkeypatch.setattr(registry, "select", lambda *a, **k: registry.Selection(("fp8_matmul",)))
-    monkeypatch.setattr(patch, "apply_kernels", lambda unet, selection, options: seen.update(options) or ["x"])
+    monkeypatch.setattr(patch, "apply_kernels", lambda unet, selection, options, seconds: seen.update(options) or ["x"])
     hooks.install_kernels(None, {"set": "fp8", "fp8_keep_transposed": decision}, "cuda")
     assert seen["fp8_matmul"] == {"keep_transposed": want}
 

@@ -130,6 +130,21 @@ def test_auto_plus_and_minus_named_kernels():
     assert explicit.explicit and explicit.insists("opt_in")
 
 
+def test_the_launcher_checks_kernel_names_without_importing_the_kernels():
+    """kernels.set is checked against request.KERNEL_NAMES, the registry's names without torch._dynamo and the
+    kernels' modules (~1.5 s of every launch on a 2-core CPU); the registry refuses to load if the two differ."""
+    from flux_kernels.request import KERNEL_NAMES
+
+    assert KERNEL_NAMES == tuple(REGISTRY)
+    code = (
+        "import sys; from flux_trainer.config.validate import kernel_set_problem; "
+        "assert kernel_set_problem('auto,-attention') is None and 'unknown' in kernel_set_problem('auto,nope'); "
+        "print(sorted(m for m in sys.modules if m.startswith(('flux_kernels.', 'torch._dynamo'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['flux_kernels.request']"
+
+
 def test_a_bad_kernel_set_is_a_config_error_before_anything_loads(compose):
     from flux_trainer.config import ConfigError
     from flux_trainer.config.validate import kernel_set_problem, validate

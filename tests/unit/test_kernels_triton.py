@@ -180,7 +180,9 @@ def _model(fm, dtype):
 def test_kernels_installed_into_sd_scripts_blocks_verify(dev, fm, monkeypatch):
     model = _model(fm, torch.bfloat16).to(dev)
     selection = unchecked(["qk_norm_rope", "modulate", "gated_residual", "gated_modulate"])
-    assert patch.apply_kernels(model, selection) == list(selection.installed)  # verified
+    seconds = {}
+    assert patch.apply_kernels(model, selection, seconds=seconds) == list(selection.installed)  # verified
+    assert set(seconds) == {*selection.installed, "verify"} and all(t > 0 for t in seconds.values())  # the log line
     patch.remove_kernels(model)
     # a kernel that is slightly wrong inside the block is caught by verification, and nothing stays installed:
     # named by the user, that is an error; in auto, a warning and plain sd-scripts
