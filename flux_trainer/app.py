@@ -306,15 +306,22 @@ def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = No
 
         device = "cuda" if (info or launch_device.detect_device()).family != "cpu" else "cpu"
         ensure_random_model(model_cache(cfg.model_cache), prepared.random_preset, device=device, log=say)
+    from flux_trainer.launch.direct import direct_command
     from flux_trainer.launch.supervise import run_supervised
     from flux_trainer.metrics.startup import launch_env
     from flux_trainer.sdscripts.runner import child_exit_code
 
     say(f"TensorBoard: tensorboard --logdir {Path(cfg.logging.root).resolve()}")
     log_path = prepared.run_dir / "train.log"
+    command, env, via = prepared.command, prepared.env, "accelerate launch"
+    if cfg.launcher.get("direct", True) and (direct := direct_command(command, env)) is not None:
+        (command, env), via = direct, "process start"
+        say("one process: started with accelerate's environment, without its launcher process (launcher.direct)")
+        with open(prepared.run_dir / "command.txt", "a", encoding="utf-8") as f:
+            f.write(f"# launcher.direct: the same process started as {shlex.join(command)} with accelerate's env\n")
     code = run_supervised(
-        prepared.command,
-        {**prepared.env, **launch_env(began)},  # when this command began and started the child: the start-up line
+        command,
+        {**env, **launch_env(began, via=via)},  # when this command began and started the child: the start-up line
         log_path,
         memory_tier=cfg.memory.tier,
         exit_code=functools.partial(child_exit_code, prepared.run_dir),

@@ -173,6 +173,7 @@ class LauncherConfig:
     main_address: str = "127.0.0.1"
     main_port: int = 29500
     cpu_threads_per_process: int = 2
+    direct: bool = True  # one process: started with accelerate's environment, without its launcher process
 
 
 @dataclass

@@ -136,6 +136,10 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     assert "host/ram_gib" in scalars and scalars["host/ram_gib"][-1][1] > 0.1
     assert any("config" in t for t in texts) and "tiny" in texts["run/config"]
     assert "accelerate.commands.launch" in texts["run/command"] and texts["run/kernels"]
+    # one process: started directly with accelerate's environment (launcher.direct), which command.txt says
+    assert "# launcher.direct: the same process started as " in texts["run/command"]
+    assert "-m flux_trainer.sdscripts.runner --run-dir" in texts["run/command"].splitlines()[-1]
+    assert "without its launcher process" in trained.proc.stdout
     # kernels=auto on a CPU installs the plain-PyTorch kernels: the per-step embeddings without syncs, the LoRA norms
     # (sd-scripts' grad-norm tag comes from them), Prodigy's step (the default optimizer) and, on this one process,
     # no gradient all-reduce
@@ -150,7 +154,7 @@ def test_tensorboard_events_hold_loss_metrics_and_config(trained):
     # where the start-up went, from the command to the first step's end: the phases that take time even with the tiny
     # model (the line leaves out those under 0.05 s), in their order
     startup = texts["run/startup"]
-    phases = ["flux-train", "accelerate launch", "imports", "caches", "first step"]
+    phases = ["flux-train", "imports", "caches", "first step"]
     at = [startup.find(f" {p} ") for p in phases]
     assert startup.startswith("start-up ") and -1 not in at and at == sorted(at), startup
     assert " ".join(startup.split()[:4]) in " ".join((run_dir / "train.log").read_text().split())  # wrapped by rich

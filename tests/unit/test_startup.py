@@ -12,7 +12,14 @@ from types import SimpleNamespace
 import pytest
 
 from flux_trainer.metrics import startup
-from flux_trainer.metrics.startup import LAUNCHED_AT_ENV, SPAWNED_AT_ENV, StartupClock, launch_env, process_started_at
+from flux_trainer.metrics.startup import (
+    LAUNCHED_AT_ENV,
+    SPAWNED_AT_ENV,
+    SPAWNED_VIA_ENV,
+    StartupClock,
+    launch_env,
+    process_started_at,
+)
 
 needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux's /proc")
 
@@ -74,6 +81,12 @@ def test_launcher_times_that_cannot_be_right_start_the_clock_at_this_process(env
     assert clock.start == 104.0 and clock.marks == []
 
 
+def test_a_process_started_directly_may_read_its_start_a_tick_before_its_spawn():
+    env = {LAUNCHED_AT_ENV: "100", SPAWNED_AT_ENV: "103.005", SPAWNED_VIA_ENV: "process start"}
+    clock = StartupClock.from_env(env, started_at=103.0)
+    assert clock.phases() == [("flux-train", pytest.approx(3.005)), ("process start", 0.0)]
+
+
 def test_launcher_that_could_not_read_its_start():
     clock = StartupClock.from_env({SPAWNED_AT_ENV: "103"}, started_at=104.0)
     assert clock.start == 103.0 and clock.phases() == [("accelerate launch", 1.0)]
@@ -95,7 +108,11 @@ def test_launch_env_first_run_from_the_process_start_later_runs_from_their_own(m
     assert float(first[LAUNCHED_AT_ENV]) == pytest.approx(process_started_at(), abs=0.02)
     assert float(first[LAUNCHED_AT_ENV]) < now - 0.1 and float(first[SPAWNED_AT_ENV]) >= now - 0.001
     second = launch_env(began_at=now + 50, spawned_at=now + 60)  # a sweep's next job
-    assert second == {LAUNCHED_AT_ENV: f"{now + 50:.3f}", SPAWNED_AT_ENV: f"{now + 60:.3f}"}
+    assert second == {
+        LAUNCHED_AT_ENV: f"{now + 50:.3f}",
+        SPAWNED_AT_ENV: f"{now + 60:.3f}",
+        SPAWNED_VIA_ENV: "accelerate launch",
+    }
 
 
 def test_the_hooks_mark_each_phase_and_log_the_line_after_the_first_step(tmp_path, caplog):
