@@ -152,6 +152,27 @@ def _lora_like(linear: torch.nn.Linear, rank: int = 4) -> None:
     linear._adapters = torch.nn.ModuleList([down, up])
 
 
+def test_verify_holds_fp8_blocks_in_bf16_and_gives_them_back_bit_for_bit(fm, monkeypatch):
+    """fp8 base weights are verified held in bf16 (the same math: autocast upcasts them at every matmul, slowly on a
+    CPU), then are the same fp8 tensors again; a wrong kernel is still caught."""
+    model = _blocks(fm, torch.float8_e4m3fn)
+    _lora_like(model.double_blocks[0].img_attn.qkv)
+    fp8 = {n: (t, t.data.clone()) for n, t in model.named_parameters() if t.dtype == torch.float8_e4m3fn}
+    assert len(fp8) > 10  # every base weight (the adapters are fp32)
+    seen = []
+    run = patch._verify_block
+    monkeypatch.setattr(patch, "_verify_block", lambda b, *a: seen.append(next(b.parameters()).dtype) or run(b, *a))
+    patch.install_block_op(model, op="gated_residual")
+    assert patch.verify_blocks(model) == [] and seen == [torch.bfloat16, torch.bfloat16]
+    for name, p in model.named_parameters():
+        if name in fp8:  # the same tensors, fp8 again, the same bits
+            assert p is fp8[name][0] and torch.equal(p.view(torch.uint8), fp8[name][1].view(torch.uint8)), name
+    model.single_blocks[0]._flux_kernels.gated = lambda x, gate, y: x + gate * y * 1.1
+    with pytest.raises(ValueError, match="double-stream block differs from sd-scripts'"):
+        patch.verify_blocks(model)
+    assert all(model.get_parameter(n).dtype == torch.float8_e4m3fn for n in fp8)  # given back on the error too
+
+
 def test_verify_runs_bf16_blocks_with_fp32_lora_under_autocast(fm):
     model = _blocks(fm, torch.bfloat16)
     _lora_like(model.double_blocks[0].img_attn.qkv)
