@@ -162,21 +162,27 @@ sys.exit(int(os.environ.get("FLUX_TEST_EXIT", "0")))
 """
 
 
-def test_the_command_really_launches_a_module_through_accelerate(tmp_path):
-    """End to end on CPU: our config + command, accelerate 1.6 itself, a stand-in runner module."""
-    (tmp_path / "fake_runner.py").write_text(RECORDER)
+def stand_in_command(tmp_path, recorder: str, runner_args: list[str], mixed: str = "no") -> list[str]:
+    """Our config and `accelerate launch` command for a CPU run (3 threads) of `fake_runner`, a stand-in runner
+    module written into tmp_path with `recorder` as its code."""
+    (tmp_path / "fake_runner.py").write_text(recorder)
     cfg = run_cfg(cpu_threads_per_process=3)
-    cfg.precision.mixed = "no"
+    cfg.precision.mixed = mixed
     info = DeviceInfo.cpu()
     (tmp_path / "accelerate.json").write_text(json.dumps(accelerate_config(cfg, info)))
-    cmd = launch_command(
+    return launch_command(
         cfg,
         run_dir=tmp_path,
         accelerate_config_path=tmp_path / "accelerate.json",
-        runner_args=["--a", "x; touch PWNED"],
+        runner_args=runner_args,
         info=info,
         module="fake_runner",
     )
+
+
+def test_the_command_really_launches_a_module_through_accelerate(tmp_path):
+    """End to end on CPU: our config + command, accelerate 1.6 itself, a stand-in runner module."""
+    cmd = stand_in_command(tmp_path, RECORDER, ["--a", "x; touch PWNED"])
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "FLUX_TEST_MARK": "m"}
     log = tmp_path / "train.log"
     assert run_supervised(cmd, env, log, cwd=tmp_path, echo=io.StringIO()) == 0

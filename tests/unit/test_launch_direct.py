@@ -9,11 +9,10 @@ import sys
 
 import pytest
 
-from flux_trainer.launch.command import accelerate_config, launch_command
-from flux_trainer.launch.device import DeviceInfo
+from flux_trainer.launch.command import accelerate_config
 from flux_trainer.launch.direct import direct_command
 from flux_trainer.launch.supervise import run_supervised
-from tests.unit.test_launch_command import build, h100, run_cfg
+from tests.unit.test_launch_command import build, h100, run_cfg, stand_in_command
 
 RECORDER = """
 import json, os, sys
@@ -30,19 +29,7 @@ def record(log) -> dict:
 def test_the_child_gets_what_accelerate_launch_gives_it(tmp_path, mixed):
     """The same command both ways, a stand-in runner module recording its argv and whole environment: accelerate's
     own launcher process, then direct_command's. The child sees the same."""
-    (tmp_path / "fake_runner.py").write_text(RECORDER)
-    cfg = run_cfg(cpu_threads_per_process=3)
-    cfg.precision.mixed = mixed
-    info = DeviceInfo.cpu()
-    (tmp_path / "accelerate.json").write_text(json.dumps(accelerate_config(cfg, info)))
-    cmd = launch_command(
-        cfg,
-        run_dir=tmp_path,
-        accelerate_config_path=tmp_path / "accelerate.json",
-        runner_args=["--run-dir", "x y"],
-        info=info,
-        module="fake_runner",
-    )
+    cmd = stand_in_command(tmp_path, RECORDER, ["--run-dir", "x y"], mixed=mixed)
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "FLUX_TEST_MARK": "m", "OMP_NUM_THREADS": "7"}
     via_accelerate, direct = tmp_path / "a.log", tmp_path / "d.log"
     assert run_supervised(cmd, env, via_accelerate, cwd=tmp_path, echo=io.StringIO()) == 0
