@@ -198,6 +198,7 @@ class RunSummary:
     gpu: str | None
     started: float | None
     updated: float | None
+    startup_s: float | None = None  # command to the first step's end (the latest process's, for a resumed run)
 
 
 def _event_dirs(root: str | os.PathLike[str]) -> list[str]:
@@ -247,6 +248,7 @@ def _summarize(path: str, dirs: list[str]) -> RunSummary:
         gpu=texts.get(f"{TEXT_PREFIX}gpu"),
         started=min(walls) if walls else None,
         updated=max(walls) if walls else None,
+        startup_s=max(scalars["time/startup_s"], key=lambda e: e[0])[2] if scalars.get("time/startup_s") else None,
     )
 
 

@@ -226,6 +226,7 @@ def test_runs_listing_reads_the_events(trained, capsys):
     line = next(ln for ln in capsys.readouterr().out.splitlines() if trained.run_dir.name in ln)
     fields = line.split()
     assert fields[1] == "2" and float(fields[2]) > 0  # steps done, last loss
+    assert fields[-1] == "s" and 1.0 < float(fields[-2]) < 600  # the start-up, command to the first step's end
 
 
 def test_same_seed_same_losses_whether_or_not_the_run_built_the_caches(trained):

@@ -78,6 +78,11 @@ def test_summarize_run_nested_and_prefers_loss_current(tmp_path):
     assert s.median_tflops == 250.0
     assert s.gpu == "NVIDIA GeForce RTX 4090"
     assert s.started is not None and s.updated is not None and s.started <= s.updated
+    assert s.startup_s is None  # a run from before the start-up line
+    with SummaryWriter(str(run / "logs" / "a" / "network_train")) as w:  # a process, then its resume
+        w.add_scalar("time/startup_s", 31.5, 1, walltime=1000.0)
+        w.add_scalar("time/startup_s", 22.25, 6, walltime=2000.0)
+    assert summarize_run(run).startup_s == 22.25
 
 
 def test_summarize_accepts_other_loss_tags_and_missing_run(tmp_path):
