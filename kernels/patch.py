@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MethodType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -408,7 +409,7 @@ def _fp8_held_as(block: nn.Module, dtype: torch.dtype):
     full-size FLUX double and single block took 5.2 s with fp8 weights against 0.5 s in bf16 (2 threads), ~6 s of
     every start on an fp8 base, where the model is still on the CPU when the kernels go in."""
     fp8 = [t for t in (*block.parameters(), *block.buffers()) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32) or not fp8:
+    if not fp8:
         yield
         return
     held = [(t, t.data) for t in fp8]
@@ -469,10 +470,10 @@ def apply_kernels(
     time of each install (by kernel name) and of the verification ("verify")."""
     seconds = {} if seconds is None else seconds
 
-    def timed(name: str, install: Callable[[], str]) -> str:
+    def timed(name: str, work: Callable[[], Any]) -> Any:
         start = time.perf_counter()
         try:
-            return install()
+            return work()
         finally:
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
 
@@ -498,10 +499,7 @@ def apply_kernels(
     lines = [timed(s.name, lambda s=s: s.install(flux_model, **options.get(s.name, {}))) for s in block_specs]
     if verify and block_specs:
         try:
-            start = time.perf_counter()
-            notes = verify_blocks(flux_model)
-            seconds["verify"] = time.perf_counter() - start
-            for note in notes:
+            for note in timed("verify", lambda: verify_blocks(flux_model)):
                 log.warning("flux_kernels: %s", note)
         except ValueError as e:
             remove_kernels(flux_model)
