@@ -214,6 +214,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
             pin_memory=bool(cfg.train.pin_memory),
+            staged_copy=bool(cfg.train.staged_copy),
             sync_free=bool(cfg.train.sync_free),
             memory=checkpoint_skip_spec(cfg),
         )

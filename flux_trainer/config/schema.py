@@ -152,6 +152,7 @@ class TrainConfig:
     loss_type: str = "l2"
     data_loader_workers: int = 2
     pin_memory: bool = True  # batches in page-locked host memory, copied to the GPU without a sync (CUDA only)
+    staged_copy: bool = True  # the base model to the GPU through page-locked buffers on several threads (CUDA only)
     sync_free: bool = True  # the loop reads the loss and logs sd-scripts' norm means without waiting for the step
 
 

@@ -140,6 +140,18 @@ class RunHooks:
             self.loss_guard = LossGuard(patience=3)
             self.slowdown = SlowdownDetector(nvml=self.metrics.nvml)
 
+    def model_to_device(self, unet: Any, accelerator: Any) -> None:
+        """Where accelerate's prepare is about to move the whole model to the GPU, move it first through pinned
+        staging buffers on several threads (model_copy, train.staged_copy); accelerate then finds it there."""
+        from flux_trainer.sdscripts import model_copy
+
+        if not getattr(self.spec, "staged_copy", True) or not model_copy.moves_whole_model(accelerator):
+            return
+        report = model_copy.staged_copy(unet, accelerator.device, threads=model_copy.core_share())
+        self.startup.mark("model to the device")
+        if report is not None:
+            log.info(report.line(accelerator.device))
+
     def step_start(self, accelerator: Any = None, network: Any = None) -> None:
         """Runs on every rank: the data-wait mark, and every RANK_REDUCE_EVERY micro-steps the peak VRAM of the
         busiest rank (a collective, so it cannot live in step_logging, which sd-scripts calls on rank 0 only).
@@ -148,7 +160,7 @@ class RunHooks:
         weight-norm loops run over the modules with GGPO only."""
         self._micro_steps += 1
         if self._micro_steps == 1:
-            self.startup.mark("prepare")  # accelerate's prepare (the model to the device), the loop's set-up
+            self.startup.mark("prepare")  # accelerate's prepare (and the model's move unless staged), the loop's set-up
         if self._micro_steps == 1 and "compile_blocks" in self.kernels_installed:
             self._compiled = CompileState.now()  # what was compiled before training (the registry's compile probe)
         if self._micro_steps == 1 and network is not None and "lora_grad_norms" in self.kernels_installed:

@@ -44,6 +44,7 @@ class RunnerSpec:
     metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
     tf32: bool = False
     pin_memory: bool = True  # train.pin_memory: pinned batches, non-blocking copies (hooks.pin_batches)
+    staged_copy: bool = True  # train.staged_copy: the model to the GPU through pinned buffers (model_copy)
     sync_free: bool = True  # train.sync_free: the loop's per-step reads without waiting for the step (step_values)
     # memory.checkpoint_skip with what decides it: {"checkpoint_skip", "tier_gib", "blocked"} (checkpoint_fit)
     memory: dict[str, Any] = field(default_factory=lambda: {"checkpoint_skip": "0"})
@@ -127,6 +128,8 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
 
         def prepare_unet_with_accelerator(self, args, accelerator, unet):
             self.flux_train.before_prepare(unet, args, accelerator)
+            if not self.is_swapping_blocks:  # with block swap sd-scripts places the blocks itself
+                self.flux_train.model_to_device(unet, accelerator)
             return super().prepare_unet_with_accelerator(args, accelerator, unet)
 
         def on_step_start(self, args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train=True):
@@ -170,9 +173,10 @@ def loading_threads():
     training."""
     import torch
 
+    from flux_trainer.sdscripts.model_copy import core_share
+
     before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = max(before, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1))
+    share = max(before, core_share())
     if share > before:
         log.info("loading the base model with %d CPU threads (training keeps %d)", share, before)
     torch.set_num_threads(share)

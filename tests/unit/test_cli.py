@@ -44,6 +44,13 @@ def test_pin_memory_off_reaches_the_runner(workdir):
     assert main(["+dataset=mychar", "dry_run=true", "train.pin_memory=false"]) == 0
     (run,) = run_dirs(workdir)
     assert RunnerSpec.read(run).pin_memory is False
+    assert RunnerSpec.read(run).staged_copy is True  # train.staged_copy's default
+
+
+def test_staged_copy_off_reaches_the_runner(workdir):
+    assert main(["+dataset=mychar", "dry_run=true", "train.staged_copy=false"]) == 0
+    (run,) = run_dirs(workdir)
+    assert RunnerSpec.read(run).staged_copy is False
 
 
 def test_combo_kernels_reach_the_runner(workdir):
