@@ -147,7 +147,11 @@ class RunHooks:
 
         if not getattr(self.spec, "staged_copy", True) or not model_copy.moves_whole_model(accelerator):
             return
-        report = model_copy.staged_copy(unet, accelerator.device, threads=model_copy.core_share())
+        try:
+            report = model_copy.staged_copy(unet, accelerator.device, threads=model_copy.core_share())
+        except Exception as e:  # noqa: BLE001 - e.g. no page-locked memory here: the model is untouched until the swap
+            log.warning("train.staged_copy failed (%s: %s); accelerate moves the model as usual", type(e).__name__, e)
+            return
         self.startup.mark("model to the device")
         if report is not None:
             log.info(report.line(accelerator.device))

@@ -167,3 +167,28 @@ def test_the_runner_moves_the_model_before_accelerate_unless_blocks_swap(monkeyp
     trainer.is_swapping_blocks = swapping
     assert trainer.prepare_unet_with_accelerator(SimpleNamespace(), None, "unet") == "unet"
     assert order == (["kernels", "accelerate"] if swapping else ["kernels", "move", "accelerate"])
+
+
+def test_a_failed_copy_leaves_the_model_to_accelerate(monkeypatch, tmp_path, caplog):
+    """Page-locked memory can be refused (some VMs, WSL): the model is left as it was, with one warning."""
+    import logging
+
+    from flux_trainer.sdscripts.hooks import RunHooks
+    from flux_trainer.sdscripts.runner import RunnerSpec
+
+    m = model()
+    before = snapshot(m)
+    pointers = [t.data_ptr() for t in m.parameters()]
+
+    def refused(*a, **k):
+        raise RuntimeError("CUDA error: out of memory (page-locked)")
+
+    monkeypatch.setattr(model_copy, "moves_whole_model", lambda acc: True)
+    monkeypatch.setattr(model_copy, "pieces", refused)  # fails inside the copy, after the targets exist
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    with caplog.at_level(logging.WARNING, logger="flux_trainer.runner"):
+        h.model_to_device(m, SimpleNamespace(device=torch.device("cpu")))
+    assert [t.data_ptr() for t in m.parameters()] == pointers
+    assert all(torch.equal(snapshot(m)[n][4], v[4]) for n, v in before.items())
+    assert any("train.staged_copy failed (RuntimeError" in r.getMessage() for r in caplog.records)
+    assert all(name != "model to the device" for name, _ in h.startup.phases())
