@@ -144,11 +144,12 @@ class RunHooks:
         """Where accelerate's prepare is about to move the whole model to the GPU, move it first through pinned
         staging buffers on several threads (model_copy, train.staged_copy); accelerate then finds it there."""
         from flux_trainer.sdscripts import model_copy
+        from flux_trainer.sdscripts.threads import core_share
 
         if not getattr(self.spec, "staged_copy", True) or not model_copy.moves_whole_model(accelerator):
             return
         try:
-            report = model_copy.staged_copy(unet, accelerator.device, threads=model_copy.core_share())
+            report = model_copy.staged_copy(unet, accelerator.device, threads=core_share())
         except Exception as e:  # noqa: BLE001 - e.g. no page-locked memory here: the model is untouched until the swap
             log.warning("train.staged_copy failed (%s: %s); accelerate moves the model as usual", type(e).__name__, e)
             return

@@ -12,7 +12,6 @@ them, so accelerate's own move finds nothing left to do. Same bits, same tensor 
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -42,12 +41,6 @@ class CopyReport:
             f"base model to {device}: {self.bytes / 1e9:.1f} GB in {self.seconds:.1f} s ({rate:.1f} GB/s, "
             f"{how}, {self.threads} threads; train.staged_copy)"
         )
-
-
-def core_share() -> int:
-    """The cores this process may run on, divided among the node's training processes (LOCAL_WORLD_SIZE)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1))
 
 
 def moves_whole_model(accelerator: Any) -> bool:

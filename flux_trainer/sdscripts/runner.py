@@ -14,7 +14,6 @@ file_hash).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -63,7 +62,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
     """Our FluxNetworkTrainer subclass, built against the checkout imported at run time. `startup`: this process's
     StartupClock (metrics.startup), marked at each phase sd-scripts goes through until the first step."""
     from flux_trainer.config.paths import cache_root
-    from flux_trainer.sdscripts import file_hash, hooks, te_cache
+    from flux_trainer.sdscripts import file_hash, hooks, te_cache, threads
 
     base = mods.flux_train_network.FluxNetworkTrainer
 
@@ -107,7 +106,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
                 self.is_swapping_blocks = False
                 result = (mods.flux_utils.MODEL_VERSION_FLUX_V1, [clip_l, t5xxl], ae, flux)
             else:
-                with loading_threads():
+                with threads.cpu_share("loading the base model"):
                     result = super().load_target_model(args, weight_dtype, accelerator)
             self.flux_train.model_loaded(result[3], accelerator)
             return result
@@ -160,30 +159,6 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
             self.flux_train.step_logged(accelerator, global_step)
 
     return FluxTrainTrainer
-
-
-@contextlib.contextmanager
-def loading_threads():
-    """While sd-scripts loads the base model, torch's CPU ops may use this process's share of the cores instead of
-    launcher.cpu_threads_per_process (2 by default, so that training processes and their data loaders do not
-    oversubscribe the cores). On an fp8 base (the 12-24 GB tiers) sd-scripts casts a bf16 FLUX.1-dev to fp8 on the
-    CPU at every start, 11.9B elements, and the cast scales with threads: on this project's 2-core CPU 9.6-9.7 s with
-    one thread, 4.9-5.2 s with two (scaled from a 268M-element cast, three each). The share is the cores this process
-    may run on, divided among the node's training processes (LOCAL_WORLD_SIZE); the setting is put back before
-    training."""
-    import torch
-
-    from flux_trainer.sdscripts.model_copy import core_share
-
-    before = torch.get_num_threads()
-    share = max(before, core_share())
-    if share > before:
-        log.info("loading the base model with %d CPU threads (training keeps %d)", share, before)
-    torch.set_num_threads(share)
-    try:
-        yield share
-    finally:
-        torch.set_num_threads(before)
 
 
 def parse_sd_scripts_args(mods: SdScriptsModules, spec: RunnerSpec) -> argparse.Namespace:

@@ -115,14 +115,6 @@ def test_moves_whole_model(kind, placement, device, moves):
     assert model_copy.moves_whole_model(acc) is moves
 
 
-def test_core_share_divides_among_local_processes(monkeypatch):
-    monkeypatch.setattr(model_copy.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert model_copy.core_share() == 4
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
-    assert model_copy.core_share() == 1
-
-
 def test_hook_moves_only_where_accelerate_would(monkeypatch, tmp_path):
     from flux_trainer.sdscripts.hooks import RunHooks
     from flux_trainer.sdscripts.runner import RunnerSpec

@@ -1,5 +1,5 @@
-"""sd-scripts loads (and on an fp8 base casts) the base model on the CPU: the runner lets torch use this process's
-share of the cores for that, then puts the training setting back."""
+"""sd-scripts loads (and on an fp8 base casts) the base model on the CPU with this process's share of the cores
+(threads.cpu_share), then the training setting comes back."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flux_trainer.sdscripts import runner
+from flux_trainer.sdscripts import threads as start_threads
 
 
 @pytest.fixture
@@ -29,7 +30,10 @@ def test_the_share_is_the_cores_divided_among_the_nodes_processes(monkeypatch, t
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     want = want or threads  # fewer cores than the setting: never lowered
-    with caplog.at_level(logging.INFO, logger="flux_trainer.runner"), runner.loading_threads() as share:
+    with (
+        caplog.at_level(logging.INFO, logger="flux_trainer.runner"),
+        start_threads.cpu_share("loading the base model") as share,
+    ):
         assert share == want == torch.get_num_threads()
     assert torch.get_num_threads() == threads  # training's setting back
     assert (f"loading the base model with {want} CPU threads" in caplog.text) == (want > threads)
@@ -38,7 +42,7 @@ def test_the_share_is_the_cores_divided_among_the_nodes_processes(monkeypatch, t
 def test_the_setting_comes_back_when_loading_fails(monkeypatch, threads):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(threads + 3)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with pytest.raises(OSError), runner.loading_threads():
+    with pytest.raises(OSError), start_threads.cpu_share("loading the base model"):
         assert torch.get_num_threads() == threads + 3
         raise OSError("the checkpoint is truncated")
     assert torch.get_num_threads() == threads
