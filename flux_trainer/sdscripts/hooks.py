@@ -44,6 +44,8 @@ class RunHooks:
         self._max_steps = 0
         self._optimizer_kernels: list[str] = []
         self._trainer_kernels: list[str] = []
+        self._optimizer = None  # sd-scripts' optimizer (its parameters: what the LoRA trains)
+        self._copy_failed = False  # train.staged_copy failed once: accelerate moves the model
         self._bypass_reasons: CacheBypassReasons | None = None
         self._compile_cache = ""  # the cache line after the first step (log and TensorBoard's run/compile_cache)
         self._compiled: CompileState | None = None  # the compile counts and seconds at the last report
@@ -103,6 +105,7 @@ class RunHooks:
     def optimizer_created(self, optimizer: Any) -> None:
         """sd-scripts just built the optimizer (before its LR scheduler wraps the step): optimizer kernels go in."""
         self.startup.mark("LoRA and optimizer")
+        self._optimizer = optimizer
         self._optimizer_kernels = install_optimizer_kernels(optimizer, self.spec.kernels)
 
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
@@ -140,22 +143,38 @@ class RunHooks:
             self.loss_guard = LossGuard(patience=3)
             self.slowdown = SlowdownDetector(nvml=self.metrics.nvml)
 
-    def model_to_device(self, unet: Any, accelerator: Any) -> None:
+    def model_to_device(self, unet: Any, accelerator: Any, with_network: bool = False) -> bool:
         """Where accelerate's prepare is about to move the whole model to the GPU, move it first through pinned
-        staging buffers on several threads (model_copy, train.staged_copy); accelerate then finds it there."""
+        staging buffers on several threads (model_copy, train.staged_copy); accelerate then finds it there.
+        `with_network`: before the kernels go in, so that they install and check their blocks on the GPU; the LoRA
+        modules attached to the model move with it, and only where they hold every parameter the optimizer trains
+        (else False, nothing moved: the kernels go in on the CPU model as before, and the model moves after them).
+        True when the model was moved."""
         from flux_trainer.sdscripts import model_copy
         from flux_trainer.sdscripts.threads import core_share
 
-        if not getattr(self.spec, "staged_copy", True) or not model_copy.moves_whole_model(accelerator):
-            return
+        if self._copy_failed or not getattr(self.spec, "staged_copy", True):
+            return False
+        if not model_copy.moves_whole_model(accelerator):
+            return False
+        attached = []
+        if with_network:
+            attached = model_copy.attached_modules(unet)
+            trained = {id(p) for g in getattr(self._optimizer, "param_groups", []) for p in g["params"]}
+            if not trained or not trained <= {id(p) for m in attached for p in m.parameters()}:
+                return False
         try:
             report = model_copy.staged_copy(unet, accelerator.device, threads=core_share())
         except Exception as e:  # noqa: BLE001 - e.g. no page-locked memory here: the model is untouched until the swap
             log.warning("train.staged_copy failed (%s: %s); accelerate moves the model as usual", type(e).__name__, e)
-            return
+            self._copy_failed = True
+            return False
+        for m in attached:  # the LoRA: small, the plain way
+            m.to(accelerator.device)
         self.startup.mark("model to the device")
         if report is not None:
-            log.info(report.line(accelerator.device))
+            log.info(report.line(accelerator.device) + (" with the LoRA, before the kernels" if attached else ""))
+        return True
 
     def step_start(self, accelerator: Any = None, network: Any = None) -> None:
         """Runs on every rank: the data-wait mark, and every RANK_REDUCE_EVERY micro-steps the peak VRAM of the

@@ -55,6 +55,17 @@ def moves_whole_model(accelerator: Any) -> bool:
     )
 
 
+def attached_modules(model: Any) -> list[Any]:
+    """Modules whose forward replaced one of `model`'s own and that are not among its children: sd-scripts' LoRA
+    (`org_module.forward = lora.forward`, the LoRA kept in its network), each once."""
+    found: dict[int, Any] = {}
+    for m in model.modules():
+        owner = getattr(m.__dict__.get("forward"), "__self__", None)
+        if owner is not None and owner is not m and callable(getattr(owner, "parameters", None)):
+            found.setdefault(id(owner), owner)
+    return list(found.values())
+
+
 def module_tensors(module: Any) -> list[Any]:
     """The module's parameters and buffers, each tensor once (a shared one is reached through several modules)."""
     seen: dict[int, Any] = {}

@@ -126,8 +126,11 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
             return result
 
         def prepare_unet_with_accelerator(self, args, accelerator, unet):
+            whole = not self.is_swapping_blocks  # with block swap sd-scripts places the blocks itself
+            # the model and its LoRA to the GPU first where that can be done, so the kernels install and check there
+            moved = whole and self.flux_train.model_to_device(unet, accelerator, with_network=True)
             self.flux_train.before_prepare(unet, args, accelerator)
-            if not self.is_swapping_blocks:  # with block swap sd-scripts places the blocks itself
+            if whole and not moved:
                 self.flux_train.model_to_device(unet, accelerator)
             return super().prepare_unet_with_accelerator(args, accelerator, unet)
 

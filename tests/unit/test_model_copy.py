@@ -120,7 +120,7 @@ def test_hook_moves_only_where_accelerate_would(monkeypatch, tmp_path):
     from flux_trainer.sdscripts.runner import RunnerSpec
 
     calls = []
-    monkeypatch.setattr(model_copy, "staged_copy", lambda m, d, threads: calls.append((m, d)))
+    monkeypatch.setattr(model_copy, "staged_copy", lambda m, d, threads: calls.append((m, d)))  # returns None
     cuda = SimpleNamespace(device=SimpleNamespace(type="cuda"), device_placement=True, distributed_type=None)
     spec = RunnerSpec(sd_scripts="", train_toml="", dataset_toml="")
     h = RunHooks(spec, tmp_path)
@@ -133,10 +133,17 @@ def test_hook_moves_only_where_accelerate_would(monkeypatch, tmp_path):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("swapping", [False, True])
-def test_the_runner_moves_the_model_before_accelerate_unless_blocks_swap(monkeypatch, tmp_path, swapping):
+@pytest.mark.parametrize(
+    "swapping, first, want",
+    [
+        (False, True, ["move+network", "kernels", "accelerate"]),  # the kernels install on the GPU
+        (False, False, ["move+network", "kernels", "move", "accelerate"]),  # not there first: after the kernels
+        (True, True, ["kernels", "accelerate"]),  # block swap: sd-scripts places the blocks
+    ],
+)
+def test_the_runner_moves_the_model_before_accelerate_unless_blocks_swap(monkeypatch, tmp_path, swapping, first, want):
     """Through the runner's trainer class on sd-scripts' own FluxNetworkTrainer (its prepare replaced by a
-    recorder): our move comes first, then sd-scripts' prepare; with block swap sd-scripts places the blocks alone."""
+    recorder): our move comes first (with the LoRA, before the kernels where it can), then sd-scripts' prepare."""
     from flux_trainer.sdscripts import checkout as sd_checkout
     from flux_trainer.sdscripts import runner
     from flux_trainer.sdscripts.hooks import RunHooks
@@ -146,8 +153,13 @@ def test_the_runner_moves_the_model_before_accelerate_unless_blocks_swap(monkeyp
     except Exception as e:  # noqa: BLE001 - not found, or not importable here
         pytest.skip(f"sd-scripts not importable: {e}")
     order = []
+
+    def move(self, unet, acc, with_network=False):
+        order.append("move+network" if with_network else "move")
+        return first
+
     monkeypatch.setattr(RunHooks, "before_prepare", lambda self, unet, args, acc: order.append("kernels"))
-    monkeypatch.setattr(RunHooks, "model_to_device", lambda self, unet, acc: order.append("move"))
+    monkeypatch.setattr(RunHooks, "model_to_device", move)
     monkeypatch.setattr(
         mods.flux_train_network.FluxNetworkTrainer,
         "prepare_unet_with_accelerator",
@@ -158,7 +170,51 @@ def test_the_runner_moves_the_model_before_accelerate_unless_blocks_swap(monkeyp
     )()
     trainer.is_swapping_blocks = swapping
     assert trainer.prepare_unet_with_accelerator(SimpleNamespace(), None, "unet") == "unet"
-    assert order == (["kernels", "accelerate"] if swapping else ["kernels", "move", "accelerate"])
+    assert order == want
+
+
+class Lora(torch.nn.Module):
+    """sd-scripts' LoRAModule's shape of attachment: it replaces the Linear's forward and is not its child."""
+
+    def __init__(self, linear: torch.nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.lora_down = torch.nn.Linear(linear.in_features, rank, bias=False)
+        self.lora_up = torch.nn.Linear(rank, linear.out_features, bias=False)
+        self.register_buffer("alpha", torch.tensor(4.0))
+        self.org_forward = linear.forward
+        linear.forward = self.forward
+
+    def forward(self, x):
+        return self.org_forward(x) + self.lora_up(self.lora_down(x))
+
+
+def test_attached_modules_are_the_lora():
+    m = model()
+    loras = [Lora(m.big), Lora(m.wide)]
+    found = model_copy.attached_modules(m)
+    assert len(found) == 2 and all(any(f is lo for f in found) for lo in loras)
+    assert model_copy.attached_modules(model()) == []
+
+
+@pytest.mark.parametrize("covered", [True, False])
+def test_the_network_moves_with_the_model_where_it_holds_what_is_trained(monkeypatch, tmp_path, covered):
+    """To the meta device (a CPU test of where every tensor ends up): the model and the LoRA attached to it; where
+    the optimizer trains a parameter outside them (a text encoder's LoRA, say), nothing moves before the kernels."""
+    from flux_trainer.sdscripts.hooks import RunHooks
+    from flux_trainer.sdscripts.runner import RunnerSpec
+
+    monkeypatch.setattr(model_copy, "moves_whole_model", lambda acc: True)
+    m = model()
+    loras = [Lora(m.big), Lora(m.fp8)]
+    trained = [p for lo in loras for p in lo.parameters()] + ([] if covered else [torch.nn.Parameter(torch.ones(3))])
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    h.optimizer_created(SimpleNamespace(param_groups=[{"params": trained}]))
+    moved = h.model_to_device(m, SimpleNamespace(device=torch.device("meta")), with_network=True)
+    tensors = [*m.parameters(), *m.buffers(), *(t for lo in loras for t in (*lo.parameters(), *lo.buffers()))]
+    assert moved is covered
+    assert {t.device.type for t in tensors} == ({"meta"} if covered else {"cpu"})
+    if covered:
+        assert h.startup.phases()[-1][0] == "model to the device"
 
 
 def test_a_failed_copy_leaves_the_model_to_accelerate(monkeypatch, tmp_path, caplog):
