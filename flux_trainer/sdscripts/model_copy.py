@@ -66,6 +66,18 @@ def attached_modules(model: Any) -> list[Any]:
     return list(found.values())
 
 
+def host_bytes(module: Any) -> int:
+    """Bytes of the module's tensors still on the host (what a move to the device adds there)."""
+    return sum(t.numel() * t.element_size() for t in module_tensors(module) if t.device.type == "cpu")
+
+
+def free_bytes(device: Any) -> int:
+    """Free memory on a CUDA device, as the driver counts it."""
+    import torch
+
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
 def module_tensors(module: Any) -> list[Any]:
     """The module's parameters and buffers, each tensor once (a shared one is reached through several modules)."""
     seen: dict[int, Any] = {}

@@ -3,9 +3,10 @@
 Training runs torch's CPU ops on launcher.cpu_threads_per_process threads (2 by default, so that training processes
 and their data loaders do not oversubscribe the cores). While sd-scripts loads the base model nothing else competes,
 and on an fp8 base (the 12-24 GB tiers) it casts a bf16 FLUX.1-dev to fp8 on the CPU at every start, 11.9B elements,
-which scales with threads (on the lent H200's 16 cores 6.8-8.5 s with two threads, 1.2-1.4 s with sixteen). For that, torch may use the share of the cores this process may run on, divided among the node's
-training processes (LOCAL_WORLD_SIZE); the setting is put back after. Not every start-up step gains: the kernels'
-check of the patched blocks on the CPU model took 5.0-5.5 s with the lent H200's 16 threads against 2.3-3.1 s with 2.
+which scales with threads (on the lent H200's 16 cores 6.8-8.5 s with two threads, 1.2-1.4 s with sixteen). For
+that, torch may use the share of the cores this process may run on, divided among the node's training processes
+(LOCAL_WORLD_SIZE); the setting is put back after. Not every start-up step gains: the kernels' check of the patched
+blocks on the CPU model took 5.0-5.5 s with the lent H200's 16 threads against 2.3-3.1 s with 2.
 """
 
 from __future__ import annotations

@@ -196,24 +196,29 @@ def test_attached_modules_are_the_lora():
     assert model_copy.attached_modules(model()) == []
 
 
-@pytest.mark.parametrize("covered", [True, False])
-def test_the_network_moves_with_the_model_where_it_holds_what_is_trained(monkeypatch, tmp_path, covered):
+@pytest.mark.parametrize("covered, fits, moves", [(True, True, True), (False, True, False), (True, False, False)])
+def test_the_network_moves_with_the_model_where_it_holds_what_is_trained(monkeypatch, tmp_path, covered, fits, moves):
     """To the meta device (a CPU test of where every tensor ends up): the model and the LoRA attached to it; where
-    the optimizer trains a parameter outside them (a text encoder's LoRA, say), nothing moves before the kernels."""
-    from flux_trainer.sdscripts.hooks import RunHooks
+    the optimizer trains a parameter outside them (a text encoder's LoRA, say), or the model as it is would not fit
+    the card's free memory, nothing moves before the kernels."""
+    from flux_trainer.sdscripts.hooks import FREE_FOR_MODEL, RunHooks
     from flux_trainer.sdscripts.runner import RunnerSpec
 
     monkeypatch.setattr(model_copy, "moves_whole_model", lambda acc: True)
     m = model()
+    need = model_copy.host_bytes(m)
+    assert need == sum(t.numel() * t.element_size() for t in model_copy.module_tensors(m))
+    free = int(need / FREE_FOR_MODEL) + 1 if fits else int(need / FREE_FOR_MODEL) - 1
+    monkeypatch.setattr(model_copy, "free_bytes", lambda device: free)
     loras = [Lora(m.big), Lora(m.fp8)]
     trained = [p for lo in loras for p in lo.parameters()] + ([] if covered else [torch.nn.Parameter(torch.ones(3))])
     h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
     h.optimizer_created(SimpleNamespace(param_groups=[{"params": trained}]))
     moved = h.model_to_device(m, SimpleNamespace(device=torch.device("meta")), with_network=True)
     tensors = [*m.parameters(), *m.buffers(), *(t for lo in loras for t in (*lo.parameters(), *lo.buffers()))]
-    assert moved is covered
-    assert {t.device.type for t in tensors} == ({"meta"} if covered else {"cpu"})
-    if covered:
+    assert moved is moves
+    assert {t.device.type for t in tensors} == ({"meta"} if moves else {"cpu"})
+    if moves:
         assert h.startup.phases()[-1][0] == "model to the device"
 
 
