@@ -99,6 +99,14 @@ def usable_bytes(free: int, total: int, reserved: int, fraction: float, tier_gib
     return max(0, min(card - outside, int(total * fraction)))
 
 
+def room_bytes(memory: Any) -> int:
+    """What this process may still allocate through PyTorch (a DeviceMemory): what it may hold in all, by
+    usable_bytes (the card less what is used outside PyTorch's cache, within its per-process fraction, which
+    `flux-train bench --vram-cap` sets), less what it holds now."""
+    free, total = memory.free_total()
+    return usable_bytes(free, total, memory.reserved(), memory.fraction(), None) - memory.allocated()
+
+
 def blocks_that_fit(room: int, sizes: list[int]) -> int:
     """How many of the blocks whose activations take `sizes` bytes (in the order they would leave checkpointing)
     fit in `room` bytes, taken in order; negative when the room is negative (that many measured ones must go back:

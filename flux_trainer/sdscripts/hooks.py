@@ -13,7 +13,7 @@ RANK_REDUCE_EVERY = 25  # steps between the max-over-ranks VRAM collective (one 
 # Optimizer steps of this process (a resumed run counts from its own first step, whatever sd-scripts' global step):
 COMPILE_CHECKED_AT = 1  # after which the compiled blocks' forward and backward exist
 OFFLOAD_REPORTED_AT = 2  # after which activation_offload carries checkpoint_skip=auto's plan
-FREE_FOR_MODEL = 0.9  # the model moves before the kernels only into at most this share of the card's free memory
+ROOM_FOR_MODEL = 0.9  # the model moves before the kernels only into this share of the room PyTorch has on the card
 GRAPHS_CHECKED_AT = 3  # after which the compiled blocks have been recorded as CUDA graphs
 RUN_TEXT_FILES = {"config": "config.yaml", "command": "command.txt", "environment": "env.json"}
 
@@ -149,7 +149,8 @@ class RunHooks:
         staging buffers on several threads (model_copy, train.staged_copy); accelerate then finds it there.
         `with_network`: before the kernels go in, so that they install and check their blocks on the GPU; the LoRA
         modules attached to the model move with it, and only where they hold every parameter the optimizer trains
-        and the model as it is fits the card's free memory (a bf16 base that fp8_matmul is to quantise may not);
+        and the model as it is fits the room PyTorch has on the card (a bf16 base that fp8_matmul is to quantise
+        may not);
         else False, nothing moved: the kernels go in on the CPU model as before, and the model moves after them.
         True when the model was moved."""
         from flux_trainer.sdscripts import model_copy
@@ -165,7 +166,9 @@ class RunHooks:
             trained = {id(p) for g in getattr(self._optimizer, "param_groups", []) for p in g["params"]}
             if not trained or not trained <= {id(p) for m in attached for p in m.parameters()}:
                 return False
-            if model_copy.host_bytes(unet) > model_copy.free_bytes(accelerator.device) * FREE_FOR_MODEL:
+            from flux_trainer.sdscripts.checkpoint_fit import DeviceMemory, room_bytes
+
+            if model_copy.host_bytes(unet) > room_bytes(DeviceMemory(accelerator.device)) * ROOM_FOR_MODEL:
                 return False
         try:
             report = model_copy.staged_copy(unet, accelerator.device, threads=core_share())

@@ -71,13 +71,6 @@ def host_bytes(module: Any) -> int:
     return sum(t.numel() * t.element_size() for t in module_tensors(module) if t.device.type == "cpu")
 
 
-def free_bytes(device: Any) -> int:
-    """Free memory on a CUDA device, as the driver counts it."""
-    import torch
-
-    return int(torch.cuda.mem_get_info(device)[0])
-
-
 def module_tensors(module: Any) -> list[Any]:
     """The module's parameters and buffers, each tensor once (a shared one is reached through several modules)."""
     seen: dict[int, Any] = {}

@@ -12,7 +12,15 @@ import torch
 from torch import nn
 
 from flux_trainer.config.validate import checkpoint_skip_setting
-from flux_trainer.sdscripts.checkpoint_fit import GIB, MARGIN, CheckpointFit, blocks_that_fit, skip_order, usable_bytes
+from flux_trainer.sdscripts.checkpoint_fit import (
+    GIB,
+    MARGIN,
+    CheckpointFit,
+    blocks_that_fit,
+    room_bytes,
+    skip_order,
+    usable_bytes,
+)
 
 
 class Block(nn.Module):
@@ -401,3 +409,15 @@ def test_make_checkpoint_fit_from_the_runner_spec():
     fit = make_checkpoint_fit({"checkpoint_skip": "auto"}, cpu, ["compile_blocks", "cuda_graphs"])
     assert "CUDA graphs" in fit.blocked
     assert make_checkpoint_fit({"checkpoint_skip": "5"}, cpu, ["cuda_graphs"]).setting == 5
+
+
+def test_room_is_what_torch_may_still_allocate():
+    """usable_bytes (the card less what is outside PyTorch, within its fraction) less what PyTorch holds now."""
+    from types import SimpleNamespace
+
+    def card(fraction):
+        return SimpleNamespace(free_total=lambda: (60 * GIB, 80 * GIB), reserved=lambda: 19 * GIB,
+                               allocated=lambda: 12 * GIB, fraction=lambda: fraction)  # fmt: skip
+
+    assert room_bytes(card(1.0)) == 79 * GIB - 12 * GIB  # 1 GiB outside PyTorch (the context, others)
+    assert room_bytes(card(0.25)) == 20 * GIB - 12 * GIB  # bench --vram-cap's fraction

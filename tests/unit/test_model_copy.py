@@ -201,15 +201,19 @@ def test_the_network_moves_with_the_model_where_it_holds_what_is_trained(monkeyp
     """To the meta device (a CPU test of where every tensor ends up): the model and the LoRA attached to it; where
     the optimizer trains a parameter outside them (a text encoder's LoRA, say), or the model as it is would not fit
     the card's free memory, nothing moves before the kernels."""
-    from flux_trainer.sdscripts.hooks import FREE_FOR_MODEL, RunHooks
+    from flux_trainer.sdscripts import checkpoint_fit
+    from flux_trainer.sdscripts.hooks import ROOM_FOR_MODEL, RunHooks
     from flux_trainer.sdscripts.runner import RunnerSpec
 
     monkeypatch.setattr(model_copy, "moves_whole_model", lambda acc: True)
     m = model()
     need = model_copy.host_bytes(m)
     assert need == sum(t.numel() * t.element_size() for t in model_copy.module_tensors(m))
-    free = int(need / FREE_FOR_MODEL) + 1 if fits else int(need / FREE_FOR_MODEL) - 1
-    monkeypatch.setattr(model_copy, "free_bytes", lambda device: free)
+    room = int(need / ROOM_FOR_MODEL) + 1 if fits else int(need / ROOM_FOR_MODEL) - 1
+    held = 1 << 20  # the card: 1 MiB held by PyTorch, nothing outside it; the room is free memory less nothing
+    card = SimpleNamespace(free_total=lambda: (room, 4 * room), reserved=lambda: held, allocated=lambda: held,
+                           fraction=lambda: 1.0)  # fmt: skip
+    monkeypatch.setattr(checkpoint_fit, "DeviceMemory", lambda device: card)
     loras = [Lora(m.big), Lora(m.fp8)]
     trained = [p for lo in loras for p in lo.parameters()] + ([] if covered else [torch.nn.Parameter(torch.ones(3))])
     h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
