@@ -5,6 +5,8 @@ after the first pass), and the same tensors in anonymous host memory (an fp8 bas
 Each row is the median of --repeat moves; every staged move is checked bit for bit against the plain one.
 
     python scripts/bench_model_copy.py FILE.safetensors [--repeat 3] [--json out.json]
+
+(`--device cpu` runs the same code path host to host, without page-locked buffers: for tests, not for numbers.)
 """
 
 from __future__ import annotations
@@ -27,28 +29,35 @@ def holder(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     return m
 
 
-def timed_move(make, how) -> tuple[float, torch.nn.Module]:
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed_move(make, how, dev: torch.device) -> tuple[float, torch.nn.Module]:
     module = make()
-    torch.cuda.synchronize()
+    sync(dev)
     t0 = time.perf_counter()
     how(module)
-    torch.cuda.synchronize()
+    sync(dev)
     return time.perf_counter() - t0, module
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("file")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--chunk-mib", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--json")
-    ns = ap.parse_args()
-    dev = torch.device("cuda")
+    ap.add_argument("--device", default="cuda")
+    ns = ap.parse_args(argv)
+    dev = torch.device(ns.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
     resident = {k: v.clone() for k, v in load_file(ns.file).items()}
     sources = {"mmap": lambda: holder(load_file(ns.file)), "memory": lambda: holder(resident)}
     nbytes = sum(t.numel() * t.element_size() for t in resident.values())
-    print(f"{ns.file}: {len(resident)} tensors, {nbytes / 1e9:.2f} GB; {torch.cuda.get_device_name()}")
+    print(f"{ns.file}: {len(resident)} tensors, {nbytes / 1e9:.2f} GB; {name}")
     ref = {k: v.to(dev) for k, v in resident.items()}
     rows = []
     for source, make in sources.items():
@@ -64,14 +73,15 @@ def main() -> int:
         for name, how in ways:
             times = []
             for _ in range(ns.repeat):
-                s, module = timed_move(make, how)
+                s, module = timed_move(make, how, dev)
                 times.append(s)
                 same = all(
                     torch.equal(model_copy._bytes(p.detach()), model_copy._bytes(r))
                     for p, r in zip(module.parameters(), ref.values(), strict=True)
                 )
                 del module
-                torch.cuda.empty_cache()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
             med = statistics.median(times)
             rows.append(
                 {
@@ -91,9 +101,7 @@ def main() -> int:
         print(f"{s:<8} {way:<28} {r['median_s']:9.2f} {r['gb_s']:6.1f} {r['speedup']:7.2f}x {r['same_bits']}")
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump(
-                {"file": ns.file, "bytes": nbytes, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1
-            )
+            json.dump({"file": ns.file, "bytes": nbytes, "device": name, "rows": rows}, f, indent=1)
     return 0 if all(r["same_bits"] for r in rows) else 1
 
 
