@@ -108,6 +108,7 @@ class RunHooks:
         self.startup.mark("LoRA and optimizer")
         self._optimizer = optimizer
         self._optimizer_kernels = install_optimizer_kernels(optimizer, self.spec.kernels)
+        self.startup.mark("optimizer kernels")  # with their probe on the device
 
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
         self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)

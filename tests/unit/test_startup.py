@@ -123,7 +123,7 @@ def test_the_hooks_mark_each_phase_and_log_the_line_after_the_first_step(tmp_pat
     from flux_trainer.sdscripts.hooks import RunHooks
     from flux_trainer.sdscripts.runner import RunnerSpec
 
-    ticks = iter([12.0, 13.0, 15.0, 16.0, 20.0, 24.0, 30.0])
+    ticks = iter([12.0, 13.0, 15.0, 16.0, 17.5, 20.0, 24.0, 30.0])
     clock = StartupClock(start=10.0, clock=lambda: next(ticks))
     h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path, startup=clock)
     import torch
@@ -146,7 +146,8 @@ def test_the_hooks_mark_each_phase_and_log_the_line_after_the_first_step(tmp_pat
         ("model load", 1.0),
         ("caches", 2.0),
         ("LoRA and optimizer", 1.0),
-        ("kernels", 4.0),
+        ("optimizer kernels", 1.5),
+        ("kernels", 2.5),
         ("prepare", 4.0),
         ("first step", 6.0),
     ]
