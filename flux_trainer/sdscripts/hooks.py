@@ -151,9 +151,8 @@ class RunHooks:
         `with_network`: before the kernels go in, so that they install and check their blocks on the GPU; the LoRA
         modules attached to the model move with it, and only where they hold every parameter the optimizer trains
         and the model as it is fits the room PyTorch has on the card (a bf16 base that fp8_matmul is to quantise
-        may not);
-        else False, nothing moved: the kernels go in on the CPU model as before, and the model moves after them.
-        True when the model was moved."""
+        may not); else False, nothing moved: the kernels go in on the CPU model as before, and the model moves
+        after them. True when the model was moved."""
         from flux_trainer.sdscripts import model_copy
         from flux_trainer.sdscripts.threads import core_share
 

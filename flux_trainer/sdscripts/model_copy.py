@@ -68,7 +68,7 @@ def attached_modules(model: Any) -> list[Any]:
 
 def host_bytes(module: Any) -> int:
     """Bytes of the module's tensors still on the host (what a move to the device adds there)."""
-    return sum(t.numel() * t.element_size() for t in module_tensors(module) if t.device.type == "cpu")
+    return sum(t.nbytes for t in module_tensors(module) if t.device.type == "cpu")
 
 
 def module_tensors(module: Any) -> list[Any]:
@@ -83,7 +83,7 @@ def pieces(tensors: list[Any], targets: dict[int, Any], chunk: int) -> list[tupl
     """(source, destination) byte slices of at most `chunk` bytes, largest tensors first, so that the threads
     finish together."""
     out = []
-    for t in sorted(tensors, key=lambda t: -t.numel() * t.element_size()):
+    for t in sorted(tensors, key=lambda t: -t.nbytes):
         dst = targets.get(id(t))
         if dst is None:
             continue
@@ -108,7 +108,7 @@ def staged_copy(module: Any, device: Any, *, threads: int, chunk: int = CHUNK_BY
     movable = [
         t
         for t in module_tensors(module)
-        if t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() >= MIN_TENSOR_BYTES
+        if t.device.type == "cpu" and t.is_contiguous() and t.nbytes >= MIN_TENSOR_BYTES
     ]
     if not movable:
         return None
@@ -134,7 +134,7 @@ def staged_copy(module: Any, device: Any, *, threads: int, chunk: int = CHUNK_BY
         release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
         (release or getattr(torch._C, "_host_emptyCache", lambda: None))()
     module._apply(lambda t: targets[id(t)] if id(t) in targets else t.to(device))
-    total = sum(t.numel() * t.element_size() for t in movable)
+    total = sum(t.nbytes for t in movable)
     return CopyReport(len(movable), total, time.perf_counter() - started, threads, pinned)
 
 
