@@ -1,4 +1,4 @@
-"""The LoRA's up-projection folded into the frozen matmul (`lora_fold`), on the layers where that pays.
+"""A LoRA factor folded into the frozen matmul (`lora_fold`), on the layers where that pays.
 
 sd-scripts' LoRA on a Linear (networks/lora_flux.py, LoRAModule.forward) computes
 
@@ -15,11 +15,21 @@ with W and B side by side in one buffer [N, K + r]: the frozen weight is re-home
 forward on its device (the Linear's `weight` then a view of it), and B is copied in before every forward of the
 model (`sync`, one multi-tensor copy; the optimizer changes B between forwards, never during one).
 
-It pays only where the output is much wider than the input: the concatenated input is a copy of x and the input
+That pays only where the output is much wider than the input: the concatenated input is a copy of x and the input
 gradient takes a pass of its own. On the H200 (scripts/bench_kernels.py --lora, compiled, forward + backward, GPU
 ms): FLUX's single-block linear1 (4608 tokens, 3072 -> 21504) 2.013 against 2.258 for sd-scripts' form, while
-linear2 (15360 -> 3072) went from 1.381 to 1.733 and the double blocks' layers were within +-3%. So a layer is
-folded only where out_features >= WIDE * in_features.
+linear2 (15360 -> 3072) went from 1.381 to 1.733 and the double blocks' layers were within +-3%. So B is folded only
+where out_features >= WIDE * in_features.
+
+Where the input is much wider than the output (linear2, the MLPs' second layer), the mirror fold (`FoldedDown`)
+stacks A below W instead, [W; A] in one [N + r, K] buffer:
+
+    [x Wᵀ, h] = x @ [W; A]ᵀ,  y = x Wᵀ + s·h Bᵀ + bias    h = x Aᵀ comes out of the frozen GEMM (one read of x)
+    dx = [dY, s·dY @ B] @ [W; A]                         one GEMM over N + r; the concatenation copies the narrow dY
+    dA = (s·dY @ B)ᵀ x,  dB = s·dYᵀ h
+
+where sd-scripts' form reads the wide x once more in the forward and, in the backward, writes two input-wide
+products and adds them. A is copied into its rows before every forward, as B is.
 
 Nothing here imports sd-scripts: a LoRA module is recognised as flux_kernels.lora_norms does, and only the plain
 kind is folded (2-D factors, no dropout of any kind, no GGPO perturbation).
@@ -36,8 +46,9 @@ from torch import Tensor, nn
 from flux_kernels import lora_norms
 
 ATTR = "_flux_lora_fold"  # on a folded LoRA module: its _Fold; on the model: (hook handle, [_Fold])
-BUFFER = "_flux_lora_fold_wb"  # on a folded Linear: the [N, K + r] buffer, once re-homed
-WIDE = 6  # fold where out_features >= WIDE * in_features (FLUX: the single blocks' linear1, 3072 -> 21504)
+BUFFER = "_flux_lora_fold_wb"  # on a folded Linear: the [N, K + r] or [N + r, K] buffer, once re-homed
+WIDE = 6  # fold B where out_features >= WIDE * in_features (FLUX: the single blocks' linear1, 3072 -> 21504)
+WIDE_IN = 4  # fold A where in_features >= WIDE_IN * out_features (FLUX: linear2, 15360 -> 3072; mlp.2, 12288 -> 3072)
 
 
 class FoldedLoRA(torch.autograd.Function):
@@ -62,6 +73,40 @@ class FoldedLoRA(torch.autograd.Function):
         return dx, None, None, dh.t() @ xh[:, :k], dy.t() @ xh[:, k:], None
 
 
+class FoldedDown(torch.autograd.Function):
+    """The mirror fold, for layers whose input is much wider than their output: y = x @ waᵀ gives [x Wᵀ, x Aᵀ] in
+    one GEMM over N + r output columns (wa = [W; A], A's rows already copied in), then y = x Wᵀ + s·h Bᵀ + bias
+    over the narrow output. Backward: dx = [dY, s·dY @ B] @ wa, one GEMM over N + r (the concatenated
+    gradient is a copy of the narrow dY, where sd-scripts' form adds two input-wide products); dA = (s·dY @ B)ᵀ x,
+    dB = s·dYᵀ h. Gradients for x, A and B (the A passed in is only where its gradient goes)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, wa: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, s: float) -> Tensor:
+        n = b.shape[0]
+        yh = x @ wa.t()  # [x Wᵀ, x Aᵀ]
+        h = yh[:, n:].contiguous()
+        ctx.save_for_backward(x, h, wa, b)
+        ctx.n, ctx.s = n, s
+        # not addmm: with the strided x Wᵀ as its input, it copies that into its output first; a pointwise sum is
+        # one pass, which inductor fuses into whatever takes y
+        y = yh[:, :n] + (h @ b.t()) * s
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, h, wa, b = ctx.saved_tensors
+        s = ctx.s
+        dh = (dy @ b) * s
+        dx = torch.cat([dy, dh], dim=-1) @ wa
+        return dx, None, None, dh.t() @ x, (dy.t() @ h) * s, None
+
+
+def folded_down_linear(x: Tensor, wa: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, s: float) -> Tensor:
+    """The mirror-folded LoRA Linear for x [..., K]; every tensor in one dtype."""
+    y = FoldedDown.apply(x.reshape(-1, x.shape[-1]), wa, bias, a, b, s)
+    return y.view(*x.shape[:-1], b.shape[0])
+
+
 def folded_linear(x: Tensor, wb: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, s: float) -> Tensor:
     """The folded LoRA Linear for x [..., K]; every tensor in one dtype (see _fold_forward for autocast)."""
     y = FoldedLoRA.apply(x.reshape(-1, x.shape[-1]), wb, bias, a, b, s)
@@ -74,44 +119,84 @@ def reference_linear(x: Tensor, w: Tensor, bias: Tensor | None, a: Tensor, b: Te
 
 
 def fast_linear(x: Tensor, w: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, s: float) -> Tensor:
-    """`folded_linear` with the [W, B] buffer built from w and b: the registry probe's fast side."""
+    """`folded_linear` with the [W, B] buffer built from w and b."""
     return folded_linear(x, torch.cat([w, b.detach()], dim=1), bias, a, b, s)
+
+
+def fast_down_linear(x: Tensor, w: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, s: float) -> Tensor:
+    """`folded_down_linear` with the [W; A] buffer built from w and a."""
+    return folded_down_linear(x, torch.cat([w, a.detach()], dim=0), bias, a, b, s)
+
+
+def reference_mlp(x: Tensor, *layers) -> Tensor:
+    """Two LoRA'd Linears as sd-scripts has them, widening then narrowing (x -> GELU -> y), each given as
+    (w, bias, a, b, s): the registry probe's reference, one layer for each fold."""
+    (w1, b1, a1, u1, s1), (w2, b2, a2, u2, s2) = _pairs(layers)
+    return reference_linear(F.gelu(reference_linear(x, w1, b1, a1, u1, s1)), w2, b2, a2, u2, s2)
+
+
+def fast_mlp(x: Tensor, *layers) -> Tensor:
+    """`reference_mlp` with the widening layer's B folded and the narrowing layer's A folded."""
+    (w1, b1, a1, u1, s1), (w2, b2, a2, u2, s2) = _pairs(layers)
+    return fast_down_linear(F.gelu(fast_linear(x, w1, b1, a1, u1, s1)), w2, b2, a2, u2, s2)
+
+
+def _pairs(layers: tuple) -> tuple[tuple, tuple]:
+    return layers[:5], layers[5:]
 
 
 # ---- installing into a model ------------------------------------------------------------------------------------
 
 
+def side(linear: nn.Linear) -> str | None:
+    """Which factor folds into this Linear's GEMM: "up" (B beside W: much wider output), "down" (A below W: much
+    wider input) or None."""
+    if linear.out_features >= WIDE * linear.in_features:
+        return "up"
+    if linear.in_features >= WIDE_IN * linear.out_features:
+        return "down"
+    return None
+
+
 class _Fold:
-    """One folded layer: the Linear, its LoRA module and the forward it had before (sd-scripts' LoRA forward)."""
+    """One folded layer: the Linear, its LoRA module, the forward it had before (sd-scripts' LoRA forward) and which
+    factor shares the frozen weight's buffer."""
 
     def __init__(self, linear: nn.Linear, lora: nn.Module, previous) -> None:
         self.linear, self.lora, self.previous = linear, lora, previous
-        self.slot: Tensor | None = None  # wb[:, K:], where B's values go (once re-homed)
+        self.side = side(linear)
+        self.factor = lora.lora_up if self.side == "up" else lora.lora_down
+        self.slot: Tensor | None = None  # wb[:, K:] or wa[N:], where the factor's values go (once re-homed)
 
     def rehome(self) -> None:
-        """Move the frozen weight into a [N, K + r] buffer beside B; the Linear's weight becomes a view of it."""
-        lin, up = self.linear, self.lora.lora_up.weight
+        """Move the frozen weight into a buffer beside B ([N, K + r]) or above A ([N + r, K]); the Linear's weight
+        becomes a view of it."""
+        lin = self.linear
         w = lin.weight
         n, k = w.shape
-        wb = torch.empty(n, k + up.shape[1], dtype=w.dtype, device=w.device)
-        wb[:, :k].copy_(w.detach())
-        lin.register_buffer(BUFFER, wb, persistent=False)
-        lin.weight = nn.Parameter(wb[:, :k], requires_grad=False)
-        self.slot = wb[:, k:]
+        r = self.factor.weight.shape[1 if self.side == "up" else 0]
+        shape = (n, k + r) if self.side == "up" else (n + r, k)
+        buf = torch.empty(shape, dtype=w.dtype, device=w.device)
+        view = buf[:, :k] if self.side == "up" else buf[:n]
+        view.copy_(w.detach())
+        lin.register_buffer(BUFFER, buf, persistent=False)
+        lin.weight = nn.Parameter(view, requires_grad=False)
+        self.slot = buf[:, k:] if self.side == "up" else buf[n:]
 
 
 def _fold_forward(self: nn.Module, x: Tensor) -> Tensor:
     """The forward of a folded Linear, bound to its LoRA module (so lora_norms and others still find the LoRA).
     Under autocast the factors are cast to the frozen weight's dtype, as autocast would cast them for F.linear."""
     fold: _Fold = self.__dict__[ATTR]
-    wb = getattr(fold.linear, BUFFER, None)
-    if wb is None or wb.device != x.device:
+    buf = getattr(fold.linear, BUFFER, None)
+    if buf is None or buf.device != x.device:
         return fold.previous(x)  # not re-homed yet (the model's first forward does it), or the weight moved
-    dtype = wb.dtype
+    dtype = buf.dtype
     bias = fold.linear.bias
     a, b = self.lora_down.weight.to(dtype), self.lora_up.weight.to(dtype)
     s = float(self.multiplier) * float(self.scale)
-    return folded_linear(x.to(dtype), wb, None if bias is None else bias.to(dtype), a, b, s)
+    fn = folded_linear if fold.side == "up" else folded_down_linear
+    return fn(x.to(dtype), buf, None if bias is None else bias.to(dtype), a, b, s)
 
 
 def _problem(linear: nn.Module, lora: nn.Module) -> str | None:
@@ -128,8 +213,8 @@ def _problem(linear: nn.Module, lora: nn.Module) -> str | None:
         return "weight not a frozen float weight (fp8 layers go through fp8_matmul)"
     if getattr(lora.org_forward, "__self__", None) is not linear:
         return "the frozen forward is patched already"
-    if linear.out_features < WIDE * linear.in_features:
-        return f"output not >= {WIDE}x the input (folding measured slower there)"
+    if side(linear) is None:
+        return f"neither output >= {WIDE}x the input nor input >= {WIDE_IN}x the output (folding measured slower there)"
     return None
 
 
@@ -156,12 +241,12 @@ def sync(folds: list[_Fold]) -> None:
     if any(f.slot.is_cuda for f in moved):
         torch.cuda.empty_cache()  # the old weights' blocks (a buffer is K + r wide: they do not fit it), once
     with torch.no_grad():
-        torch._foreach_copy_([f.slot for f in folds], [f.lora.lora_up.weight for f in folds])
+        torch._foreach_copy_([f.slot for f in folds], [f.factor.weight for f in folds])
 
 
 def install(model: nn.Module) -> int:
     """Fold every qualifying LoRA'd Linear of `model`; the model's forward pre-hook re-homes the weights at the first
-    forward and syncs B before every forward. Returns how many layers."""
+    forward and syncs the folded factors before every forward. Returns how many layers."""
     pairs = candidates(model)
     if not pairs:
         return 0
@@ -178,6 +263,13 @@ def install(model: nn.Module) -> int:
     handle = model.register_forward_pre_hook(lambda _m, _args: sync(folds))
     model.__dict__[ATTR] = (handle, folds)
     return len(pairs)
+
+
+def sides(model: nn.Module) -> dict[str, int]:
+    """How many folded layers of `model` hold B ("up") and A ("down") beside their frozen weight."""
+    state = model.__dict__.get(ATTR)
+    folds = state[1] if state else []
+    return {k: sum(f.side == k for f in folds) for k in ("up", "down")}
 
 
 def uninstall(model: nn.Module) -> int:

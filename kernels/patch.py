@@ -331,8 +331,9 @@ def install_lora_norms(model: nn.Module, **_) -> str:
 
 
 def install_lora_fold(model: nn.Module, **_) -> str:
-    """The LoRA's up-projection folded into the frozen GEMM where the output is much wider than the input
-    (flux_kernels.lora_fold: FLUX's single-block linear1)."""
+    """A LoRA factor folded into the frozen GEMM where the output is much wider than the input (B; FLUX's
+    single-block linear1) or the input much wider than the output (A; linear2, the MLPs' second layer):
+    flux_kernels.lora_fold."""
     from flux_kernels import lora_fold
 
     if getattr(model, "blocks_to_swap", None):
@@ -340,8 +341,13 @@ def install_lora_fold(model: nn.Module, **_) -> str:
         raise KernelError(f"lora_fold: {why} (drop lora_fold or block swap)")
     done = lora_fold.install(model)
     if not done:
-        raise KernelError(f"lora_fold: no plain LoRA on a frozen Linear with out >= {lora_fold.WIDE}x in")
-    return f"lora_fold: {done} LoRA Linear layers (up-projection inside the frozen GEMM; re-homed at the first forward)"
+        why = f"out >= {lora_fold.WIDE}x in or in >= {lora_fold.WIDE_IN}x out"
+        raise KernelError(f"lora_fold: no plain LoRA on a frozen Linear with {why}")
+    sides = lora_fold.sides(model)
+    return (
+        f"lora_fold: {done} LoRA Linear layers ({sides['up']} with B, {sides['down']} with A inside the frozen "
+        "GEMM; re-homed at the first forward)"
+    )
 
 
 def remove_kernels(model: nn.Module) -> list[str]:

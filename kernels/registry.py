@@ -164,14 +164,14 @@ def has_wide_lora(model) -> tuple[bool, str]:
     """`auto` folds the LoRA where there are layers to fold and the model does not checkpoint its blocks: measured
     faster without checkpointing (vram80); with it, the card's peak (+0.6-1.2 GiB reserved at vram80) is unmeasured
     against the checkpointed tiers' budgets, so there it must be named."""
-    n = len(lora_fold.candidates(model))
+    n, wide = len(lora_fold.candidates(model)), f"out >= {lora_fold.WIDE}x in or in >= {lora_fold.WIDE_IN}x out"
     if not n:
-        return False, f"no plain LoRA on a frozen Linear with out >= {lora_fold.WIDE}x in"
+        return False, f"no plain LoRA on a frozen Linear with {wide}"
     if getattr(model, "blocks_to_swap", None):
         return False, "block swap is on (it moves the frozen weights every step)"
     if getattr(model, "gradient_checkpointing", False):
         return False, "gradient checkpointing is on (measured without it only: name lora_fold to use it)"
-    return True, f"{n} LoRA Linear layers with out >= {lora_fold.WIDE}x in"
+    return True, f"{n} LoRA Linear layers with {wide}"
 
 
 def checkpoints_blocks(model) -> tuple[bool, str]:
@@ -345,14 +345,18 @@ def lora_norms_example(device, dtype, out=40, inp=72, r=4):
 
 
 def lora_fold_example(device, dtype, M=37, K=24, N=160, r=4):
-    """A LoRA'd Linear on [2, M, K] activations, out much wider than in as where it is installed."""
+    """Two LoRA'd Linears on [2, M, K] activations, K -> N -> K: one widening (B folded), one narrowing (A folded),
+    as where they are installed."""
     gen = torch.Generator().manual_seed(0)
     x = _rand(2, M, K, device=device, dtype=dtype, gen=gen)
-    w = _rand(N, K, device=device, dtype=dtype, gen=gen, scale=K**-0.5, grad=False)
-    bias = _rand(N, device=device, dtype=dtype, gen=gen, scale=0.1, grad=False)
-    a = _rand(r, K, device=device, dtype=dtype, gen=gen, scale=K**-0.5)
-    b = _rand(N, r, device=device, dtype=dtype, gen=gen, scale=0.3)
-    return x, w, bias, a, b, 0.75
+    layers = []
+    for n, k, s in ((N, K, 0.75), (K, N, 0.5)):
+        w = _rand(n, k, device=device, dtype=dtype, gen=gen, scale=k**-0.5, grad=False)
+        bias = _rand(n, device=device, dtype=dtype, gen=gen, scale=0.1, grad=False)
+        a = _rand(r, k, device=device, dtype=dtype, gen=gen, scale=k**-0.5)
+        b = _rand(n, r, device=device, dtype=dtype, gen=gen, scale=0.3)
+        layers += [w, bias, a, b, s]
+    return (x, *layers)
 
 
 def sac_example(device, dtype, L=37, C=64, heads=2):
@@ -492,12 +496,14 @@ REGISTRY: dict[str, KernelSpec] = {
         ),
         KernelSpec(
             "lora_fold",
-            "the LoRA's up-projection inside the frozen GEMM ([x, s·x·Aᵀ] @ [W, B]ᵀ) and dY @ B inside the input "
-            f"gradient's GEMM, on LoRA'd Linear layers with out >= {lora_fold.WIDE}x in (FLUX: single blocks' linear1)",
+            f"a LoRA factor inside the frozen GEMM, on LoRA'd Linear layers with out >= {lora_fold.WIDE}x in (B beside "
+            "W: [x, s·x·Aᵀ] @ [W, B]ᵀ, and dY @ B inside the input gradient's GEMM; FLUX: single blocks' linear1) or "
+            f"in >= {lora_fold.WIDE_IN}x out (A below W: x @ [W; A]ᵀ, and [dY, s·dY @ B] @ [W; A] for the input "
+            "gradient; FLUX: linear2 and the MLPs' second layer)",
             cuda_applies,
             patch.install_lora_fold,
-            reference=lora_fold.reference_linear,
-            fast=lora_fold.fast_linear,
+            reference=lora_fold.reference_mlp,
+            fast=lora_fold.fast_mlp,
             example=lora_fold_example,
             dtypes=(torch.bfloat16,),  # as FLUX trains; float32 GEMMs run as TF32 where the launcher allows it
             auto_if=has_wide_lora,

@@ -218,6 +218,7 @@ LORA_LINEARS = {  # name: (tokens, in, out, how many per step) at 1024² (4096 i
     "single.linear1": (4608, 3072, 21504, 38), "single.linear2": (4608, 15360, 3072, 38),
     "img.qkv": (4096, 3072, 9216, 19), "img.proj": (4096, 3072, 3072, 19), "img.mlp0": (4096, 3072, 12288, 19),
     "img.mlp2": (4096, 12288, 3072, 19), "txt.qkv": (512, 3072, 9216, 19), "txt.mlp0": (512, 3072, 12288, 19),
+    "txt.mlp2": (512, 12288, 3072, 19),
 }  # fmt: skip
 
 
@@ -238,22 +239,28 @@ class _HandLora(torch.autograd.Function):
         return torch.addmm(dy @ w, g, a), None, None, g.t() @ x, (dy.t() @ h) * ctx.s, None
 
 
-def _lora_variants(w: torch.Tensor, bias: torch.Tensor, b0: torch.Tensor) -> dict:
-    """The four ways bench_lora times, as functions of (x, a, b), each followed by the GELU a FLUX block has there."""
+def _lora_variants(w: torch.Tensor, bias: torch.Tensor, a0: torch.Tensor, b0: torch.Tensor) -> dict:
+    """The five ways bench_lora times, as functions of (x, a, b), each followed by the GELU a FLUX block has there."""
     from flux_kernels import lora_fold
 
-    f, k = torch.nn.functional, w.shape[1]
-    wb = torch.cat([w, b0], dim=1)
+    f, (n, k) = torch.nn.functional, w.shape
+    wb, wa = torch.cat([w, b0], dim=1), torch.cat([w, a0], dim=0)
 
     def folded(x, a, b):
         with torch.no_grad():
             wb[:, k:].copy_(b)  # the trained B kept in the frozen weight's buffer, as lora_fold.sync does
         return f.gelu(lora_fold.folded_linear(x, wb, bias, a, b, 1.0), approximate="tanh")
 
+    def folded_down(x, a, b):
+        with torch.no_grad():
+            wa[n:].copy_(a)  # the trained A kept below the frozen weight, as lora_fold.sync does
+        return f.gelu(lora_fold.folded_down_linear(x, wa, bias, a, b, 1.0), approximate="tanh")
+
     return {
         "frozen": lambda x, a, b: f.gelu(f.linear(x, w, bias), approximate="tanh"),
         "sd_scripts": lambda x, a, b: f.gelu(f.linear(x, w, bias) + f.linear(f.linear(x, a), b), approximate="tanh"),
         "folded": folded,
+        "folded_down": folded_down,
         "hand": lambda x, a, b: f.gelu(_HandLora.apply(x, w, bias, a, b, 1.0), approximate="tanh"),
     }
 
@@ -266,7 +273,7 @@ def _lora_row(name: str, shape: tuple, dev, dtype, warmup: int, reps: int, compi
     a = (torch.randn(rank, k, generator=gen) / k**0.5).to(dev, dtype).requires_grad_()
     b = (torch.randn(n, rank, generator=gen) * 0.01).to(dev, dtype).requires_grad_()
     row, want = {"name": name, "shape": f"{m}x{k}->{n}", "per_step": count}, None
-    for label, fn in _lora_variants(w, bias, b.detach()).items():
+    for label, fn in _lora_variants(w, bias, a.detach(), b.detach()).items():
         leaves = (x, a, b) if label != "frozen" else (x,)
         fn = torch.compile(fn) if compiled else fn
 
@@ -289,15 +296,16 @@ def _lora_row(name: str, shape: tuple, dev, dtype, warmup: int, reps: int, compi
 
 def bench_lora(dev, warmup, reps, tiny: bool, compiled: bool = True, rank: int = 16) -> list[dict]:
     """One FLUX Linear with a LoRA (r16, scale 1), a GELU after it as in the blocks, forward + backward (input and
-    LoRA gradients), four ways: the frozen Linear alone (the floor), sd-scripts' LoRA (frozen + up(down(x)) * s),
-    the LoRA folded into the frozen GEMM (flux_kernels.lora_fold) and a hand-written backward (_HandLora); GPU ms
+    LoRA gradients), five ways: the frozen Linear alone (the floor), sd-scripts' LoRA (frozen + up(down(x)) * s),
+    the LoRA folded into the frozen GEMM (flux_kernels.lora_fold: B beside W, or A below W) and a hand-written
+    backward (_HandLora); GPU ms
     each, the error against sd-scripts' form, and a last row summing each over one step's layers of these shapes."""
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     shapes = {"tiny": (48, 64, 96, 1)} if tiny else LORA_LINEARS
     rows = [_lora_row(name, shape, dev, dtype, warmup, reps, compiled, rank) for name, shape in shapes.items()]
     key = "gpu_ms" if rows[0].get("frozen_gpu_ms") is not None else "ms"
     total = {"name": "one step's layers", "shape": "", "per_step": sum(r["per_step"] for r in rows)}
-    for label in ("frozen", "sd_scripts", "folded", "hand"):
+    for label in ("frozen", "sd_scripts", "folded", "folded_down", "hand"):
         total[f"{label}_{key}"] = sum(r[f"{label}_{key}"] * r["per_step"] for r in rows)
     return [*rows, total]
 
@@ -672,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
         result["lora"] = bench_lora(dev, ns.warmup, ns.reps, ns.tiny, not ns.no_compiled)
         print_table("a Linear + LoRA r16 + GELU, forward + backward, GPU ms (last row: x per_step, summed)",
                     result["lora"], ["shape", "per_step", "frozen_gpu_ms", "sd_scripts_gpu_ms", "folded_gpu_ms",
-                                     "hand_gpu_ms", "folded_err", "hand_err"])  # fmt: skip
+                                     "folded_down_gpu_ms", "hand_gpu_ms", "folded_err", "folded_down_err",
+                                     "hand_err"])  # fmt: skip
     if ns.lora_norms:
         result["lora_norms"] = bench_lora_norms(dev, ns.warmup, ns.reps, ns.tiny)
         cols = ["modules", "sd_scripts_us", "gram_us", "sd_scripts_step_ms", "gram_step_ms", "sd_scripts_max_rel_err",

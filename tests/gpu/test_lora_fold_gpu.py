@@ -1,6 +1,7 @@
-"""lora_fold on the GPU at FLUX's linear1 shape (4608 tokens, 3072 -> 21504, LoRA r16 in fp32 under bf16 autocast,
-as sd-scripts trains): the compiled layer folded against sd-scripts' form, eager, compiled and replayed from CUDA
-graphs, over optimizer steps that change B (the buffer must follow). Skipped without CUDA."""
+"""lora_fold on the GPU at FLUX's linear1 shape (4608 tokens, 3072 -> 21504: B folded) and linear2 shape (15360 ->
+3072: A folded), LoRA r16 in fp32 under bf16 autocast, as sd-scripts trains: the folded layer against sd-scripts'
+form, eager, compiled and replayed from CUDA graphs, over optimizer steps that change the factors (the buffer must
+follow). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -21,33 +22,34 @@ pytestmark = [
 
 
 class Layer(nn.Module):
-    def __init__(self):
+    def __init__(self, k: int, n: int):
         super().__init__()
-        self.linear1 = nn.Linear(3072, 21504, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+        self.linear1 = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
 
     def forward(self, x):
         return nn.functional.gelu(self.linear1(x), approximate="tanh")
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled", "cuda_graphs"])
-def test_folded_linear1_trains_like_sd_scripts_form(mode):
+@pytest.mark.parametrize(("k", "n", "side"), [(3072, 21504, "up"), (15360, 3072, "down")])
+def test_folded_layer_trains_like_sd_scripts_form(mode, k, n, side):
     torch.manual_seed(0)
-    plain = Layer()
+    plain = Layer(k, n)
     plain_lora = Lora(plain.linear1, r=16, alpha=16.0, up_std=0.01)
     model, lora = copy.deepcopy((plain, plain_lora))
     outer = nn.Sequential(model)  # as in training: the hook on the FLUX model runs eagerly, the blocks compiled
-    assert lora_fold.install(outer) == 1
+    assert lora_fold.install(outer) == 1 and lora_fold.sides(outer)[side] == 1
     if mode != "eager":
         model.compile(mode="reduce-overhead" if mode == "cuda_graphs" else None)
     run = outer
     opt = torch.optim.AdamW(plain_lora.parameters(), lr=1e-2)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for step in range(4):
-        # the same weights each step (a trajectory would drift apart by bf16 noise through AdamW); B changes between
-        # steps through an in-place copy, as an optimizer changes it: the folded buffer must follow
+        # the same weights each step (a trajectory would drift apart by bf16 noise through AdamW); A and B change
+        # between steps through an in-place copy, as an optimizer changes them: the folded buffer must follow
         lora.load_state_dict(plain_lora.state_dict())
-        x = torch.randn(1, 4608, 3072, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
-        dy = torch.randn(1, 4608, 21504, device="cuda", generator=gen, dtype=torch.bfloat16)
+        x = torch.randn(1, 4608, k, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        dy = torch.randn(1, 4608, n, device="cuda", generator=gen, dtype=torch.bfloat16)
         results = []
         for lo, fn in ((plain_lora, plain), (lora, run)):
             x.grad = None

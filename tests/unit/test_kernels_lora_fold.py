@@ -1,7 +1,7 @@
-"""flux_kernels.lora_fold: the LoRA's up-projection folded into the frozen GEMM, against sd-scripts' form (the plain
-composition, and sd-scripts' own LoRAModule where a checkout is importable): forward and every gradient on fresh
-random inputs, installed into a model (only wide layers), B synced after an optimizer step, under autocast and
-torch.compile, uninstall."""
+"""flux_kernels.lora_fold: a LoRA factor folded into the frozen GEMM (B beside W on widening layers, A below W on
+narrowing ones), against sd-scripts' form (the plain composition, and sd-scripts' own LoRAModule where a checkout is
+importable): forward and every gradient on fresh random inputs, installed into a model (only widening and narrowing
+layers), the factors synced after an optimizer step, under autocast and torch.compile, uninstall."""
 
 from __future__ import annotations
 
@@ -35,24 +35,37 @@ def _outs_and_grads(fn, x, w, bias, a, b, s):
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_folded_matches_sd_scripts_form_forward_and_backward(dtype, tol, bias):
-    x, w, b0, a, b = _inputs(dtype)
+@pytest.mark.parametrize(("fast", "k", "n"), [(lora_fold.fast_linear, 24, 160), (lora_fold.fast_down_linear, 160, 24)])
+def test_folded_matches_sd_scripts_form_forward_and_backward(dtype, tol, bias, fast, k, n):
+    x, w, b0, a, b = _inputs(dtype, k=k, n=n)
     b0 = b0 if bias else None
     want = _outs_and_grads(lora_fold.reference_linear, x, w, b0, a, b, 0.75)
-    got = _outs_and_grads(lora_fold.fast_linear, x, w, b0, a, b, 0.75)
+    got = _outs_and_grads(fast, x, w, b0, a, b, 0.75)
     for g, r in zip(got, want, strict=True):
         assert g.shape == r.shape and max_rel_err(g, r) <= tol
 
 
-def test_the_probe_passes_and_a_wrong_backward_fails_it(monkeypatch):
-    assert registry.probe(registry.REGISTRY["lora_fold"], "cpu").ok
-    backward = lora_fold.FoldedLoRA.backward
-
-    def no_lora_in_dx(ctx, dy):
+def _no_lora_in_dx_up(backward):
+    def wrong(ctx, dy):
         dx, *rest = backward(ctx, dy)
         return (dy @ ctx.saved_tensors[1][:, : ctx.k], *rest)  # drops dh @ A from the input gradient
 
-    monkeypatch.setattr(lora_fold.FoldedLoRA, "backward", staticmethod(no_lora_in_dx))
+    return wrong
+
+
+def _no_lora_in_dx_down(backward):
+    def wrong(ctx, dy):
+        dx, *rest = backward(ctx, dy)
+        return (dy @ ctx.saved_tensors[2][: ctx.n], *rest)  # drops s·dY @ B @ A from the input gradient
+
+    return wrong
+
+
+@pytest.mark.parametrize(("fn", "wrong"), [(lora_fold.FoldedLoRA, _no_lora_in_dx_up),
+                                           (lora_fold.FoldedDown, _no_lora_in_dx_down)])  # fmt: skip
+def test_the_probe_passes_and_a_wrong_backward_fails_it(monkeypatch, fn, wrong):
+    assert registry.probe(registry.REGISTRY["lora_fold"], "cpu").ok
+    monkeypatch.setattr(fn, "backward", staticmethod(wrong(fn.backward)))
     result = registry.probe(registry.REGISTRY["lora_fold"], "cpu")
     assert not result.ok and "gradient" in result.reason
 
@@ -80,10 +93,11 @@ class Lora(nn.Module):
 
 
 def _model(seed=0, make=Lora):
-    """A wide layer (16 -> 112, folded), a narrow one (112 -> 16, not), like linear1 / linear2."""
+    """A widening layer (16 -> 112, B folded), a narrowing one (112 -> 16, A folded), like linear1 / linear2, and one
+    neither (16 -> 24, not folded)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 112), nn.GELU(), nn.Linear(112, 16)).requires_grad_(False)
-    loras = [make(model[0]), make(model[2])]
+    model = nn.Sequential(nn.Linear(16, 112), nn.GELU(), nn.Linear(112, 16), nn.Linear(16, 24)).requires_grad_(False)
+    loras = [make(model[0]), make(model[2]), make(model[3])]
     return model, loras
 
 
@@ -107,11 +121,13 @@ def _assert_close(got, want, tol):
         assert max_rel_err(g, w) <= tol
 
 
-def test_installed_only_on_the_wide_layer_and_trains_like_sd_scripts_form():
+def test_installed_on_widening_and_narrowing_layers_and_trains_like_sd_scripts_form():
     (plain, plain_loras), (model, loras) = _pair()
-    assert lora_fold.install(model) == 1
-    assert model[0].forward.__self__ is loras[0] and "forward" in model[0].__dict__
-    assert model[2].forward.__self__ is loras[1]  # the narrow layer keeps the LoRA's own forward
+    assert lora_fold.install(model) == 2
+    assert lora_fold.sides(model) == {"up": 1, "down": 1}
+    for i in (0, 2):
+        assert model[i].forward.__self__ is loras[i // 2] and "forward" in model[i].__dict__
+    assert model[3].forward.__self__ is loras[2]  # 16 -> 24 keeps the LoRA's own forward
     assert lora_norms.lora_modules(model) == loras  # still found by the other LoRA kernels
     x = torch.randn(5, 7, 16, generator=torch.Generator().manual_seed(3))
     opt_a = torch.optim.SGD([p for lo in plain_loras for p in lo.parameters()], lr=0.5)
@@ -120,15 +136,20 @@ def test_installed_only_on_the_wide_layer_and_trains_like_sd_scripts_form():
         _assert_close(_train_step(model, loras, x), _train_step(plain, plain_loras, x), 1e-5)
         opt_a.step()
         opt_b.step()
-    wb = getattr(model[0], lora_fold.BUFFER)
-    assert wb.shape == (112, 16 + 4)
-    assert model[0].weight.untyped_storage().data_ptr() == wb.untyped_storage().data_ptr()  # one copy of W
-    assert not torch.equal(wb[:, 16:], loras[0].lora_up.weight.detach())  # B moved on since the last forward
+    wb, wa = getattr(model[0], lora_fold.BUFFER), getattr(model[2], lora_fold.BUFFER)
+    assert wb.shape == (112, 16 + 4) and wa.shape == (16 + 4, 112)
+    for lin, buf in ((model[0], wb), (model[2], wa)):  # one copy of W
+        assert lin.weight.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    b_slot, a_slot = wb[:, 16:], wa[16:]
+    assert not torch.equal(b_slot, loras[0].lora_up.weight.detach())  # B moved on since the last forward
+    assert not torch.equal(a_slot, loras[1].lora_down.weight.detach())  # and A
     model(x)
-    assert torch.equal(wb[:, 16:], loras[0].lora_up.weight.detach())  # the next forward brings it in
-    with torch.no_grad():  # B changed outside an optimizer step (a loaded LoRA, max-norm scaling): synced too
-        loras[0].lora_up.weight.mul_(2)
-        plain_loras[0].lora_up.weight.mul_(2)
+    assert torch.equal(b_slot, loras[0].lora_up.weight.detach())  # the next forward brings them in
+    assert torch.equal(a_slot, loras[1].lora_down.weight.detach())
+    with torch.no_grad():  # factors changed outside an optimizer step (a loaded LoRA, max-norm scaling): synced too
+        for lo in (loras, plain_loras):
+            lo[0].lora_up.weight.mul_(2)
+            lo[1].lora_down.weight.mul_(-1)
     _assert_close(_train_step(model, loras, x), _train_step(plain, plain_loras, x), 1e-5)
 
 
@@ -153,19 +174,22 @@ def test_compiled_model_matches_eager():
 def test_what_is_not_folded():
     model, loras = _model()
     loras[0].dropout = 0.1
-    assert lora_fold.candidates(model) == []  # the wide layer has dropout, the other is narrow
+    assert [lin for lin, _ in lora_fold.candidates(model)] == [model[2]]  # the widening layer has dropout
+    loras[1].rank_dropout = 0.1
+    assert lora_fold.candidates(model) == []  # the narrowing one too, and 16 -> 24 is neither
     model, loras = _model()
-    model[0].weight.data = model[0].weight.data.to(torch.float8_e4m3fn)
+    for i in (0, 2):
+        model[i].weight.data = model[i].weight.data.to(torch.float8_e4m3fn)
     assert lora_fold.candidates(model) == []  # fp8 weights belong to fp8_matmul
     assert not registry.has_wide_lora(model)[0]
     with pytest.raises(patch.KernelError, match="lora_fold"):
         patch.install_lora_fold(model)
     model, loras = _model()
-    assert registry.has_wide_lora(model) == (True, "1 LoRA Linear layers with out >= 6x in")
+    assert registry.has_wide_lora(model) == (True, "2 LoRA Linear layers with out >= 6x in or in >= 4x out")
     model.gradient_checkpointing = True  # sd-scripts' FLUX model says so after enable_gradient_checkpointing()
     ok, why = registry.has_wide_lora(model)
     assert not ok and "checkpointing" in why  # auto leaves it out there; named, it still installs:
-    assert patch.install_lora_fold(model).startswith("lora_fold: 1 LoRA Linear layers")
+    assert patch.install_lora_fold(model).startswith("lora_fold: 2 LoRA Linear layers (1 with B, 1 with A")
     model, loras = _model()
     model.blocks_to_swap = 4  # sd-scripts' enable_block_swap
     assert "block swap" in registry.has_wide_lora(model)[1]
@@ -198,6 +222,6 @@ def test_sd_scripts_lora_module_folded_trains_the_same(lora_flux):
         return lora
 
     (plain, plain_loras), (model, loras) = _pair(make)
-    assert lora_fold.install(model) == 1
+    assert lora_fold.install(model) == 2
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(6))
     _assert_close(_train_step(model, loras, x), _train_step(plain, plain_loras, x), 1e-5)
