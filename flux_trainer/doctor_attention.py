@@ -33,6 +33,8 @@ def _fix_for(name: str) -> str:
             "reinstall flash-attn built for your torch and GPU (pip install flash-attn --no-build-isolation), or "
             "pip uninstall flash-attn"
         )
+    if name == "cudnn_fa4":
+        return "reinstall flash-attn-4 for your torch and GPU (pip install -U flash-attn-4), or uninstall it"
     if name.startswith("sdpa"):
         return "reinstall PyTorch for this card's CUDA (see the torch build row); report it if it persists"
     return f"reinstall {name} for your torch and GPU, or uninstall it"
@@ -54,6 +56,13 @@ def _unavailable(backend: Any, device_type: str) -> str:
         return f"{requires} is not installed (optional)"
     if getattr(backend, "cuda_only", True) and device_type != "cuda":
         return f"needs CUDA (device is {device_type})"
+    need = getattr(backend, "min_capability", None)
+    if need and device_type == "cuda":
+        import torch
+
+        cap = torch.cuda.get_device_capability()
+        if cap < need:
+            return f"needs sm{need[0]}{need[1]} or newer (the GPU is sm{cap[0]}{cap[1]})"
     return ""
 
 

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flux_kernels import attention_fa4
 from flux_kernels.device import as_device_info
-from flux_kernels.timing import median_ms
+from flux_kernels.timing import queued_ms
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 # own math backend run in the same dtype (long sequences in bf16 are legitimately that far off).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 2e-3}
 CACHE_ENV = "FLUX_KERNELS_CACHE"
+EXCLUDE_ENV = "FLUX_KERNELS_ATTENTION_EXCLUDE"  # backends the probe leaves out (comma list), to measure without them
 REF_HEADS = 2  # heads checked against the fp32 math reference (all heads are run and timed)
 # A backend that materialises [B, H, L, L] weights is not tried where they would take more than this: the probe runs
 # at the run's first forward, and at 4608 tokens the math backend's forward+backward would borrow ~4 GiB more than
@@ -53,11 +55,14 @@ class AttentionBackend:
     note: str = ""
     quadratic: bool = False  # materialises the [B, H, L, L] attention weights (memory grows with L^2)
     sdpa_kind: str | None = None  # an SDPA backend (SDPBackend member name): compiled code gets it from outside
+    op: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None  # custom ops compiled code may call
+    min_capability: tuple[int, int] | None = None  # the CUDA compute capability it needs
 
     @property
     def compilable(self) -> bool:
-        """Usable by compiled blocks: PyTorch's SDPA, with the backend set around the compiled call."""
-        return self.name == "sdpa" or self.sdpa_kind is not None
+        """Usable by compiled blocks: PyTorch's SDPA, with the backend set around the compiled call, or a backend
+        made of custom ops (traced as they are)."""
+        return self.name == "sdpa" or self.sdpa_kind is not None or self.op is not None
 
     def backend_context(self) -> contextlib.AbstractContextManager:
         """The SDPA backend switch to hold around a compiled block's call (traced under it, the graph calls that
@@ -169,6 +174,14 @@ BACKENDS: dict[str, AttentionBackend] = {
         AttentionBackend("xformers", _xformers, requires="xformers"),
         AttentionBackend("flash_attn", _flash_attn, requires="flash_attn"),
         AttentionBackend("sage", _sage, requires="sageattention", trainable=False, note=SAGE_REASON),
+        AttentionBackend(
+            "cudnn_fa4",
+            attention_fa4.cudnn_fa4,
+            requires=attention_fa4.MODULE,
+            op=attention_fa4.cudnn_fa4,
+            min_capability=attention_fa4.MIN_CAPABILITY,
+            note="cuDNN's forward, FlashAttention-4's backward (flash-attn-4)",
+        ),
     )
 }
 
@@ -178,7 +191,7 @@ def library_versions() -> dict[str, str]:
     out = {"torch": torch.__version__, "cuda": str(torch.version.cuda), "cudnn": "none"}
     if torch.backends.cudnn.is_available():
         out["cudnn"] = str(torch.backends.cudnn.version())
-    for dist in ("xformers", "flash_attn", "sageattention"):
+    for dist in ("xformers", "flash_attn", "flash-attn-4", "sageattention"):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -241,11 +254,24 @@ def _write_cache(path: Path, key: str, results: Sequence[BackendResult]) -> None
 def _unavailable(backend: AttentionBackend, dev: torch.device) -> str:
     if not backend.trainable:
         return backend.note
-    if backend.requires and importlib.util.find_spec(backend.requires) is None:
+    if backend.requires and not _importable(backend.requires):
         return f"{backend.requires} is not installed"
     if backend.cuda_only and dev.type != "cuda":
         return f"needs CUDA (device is {dev.type})"
+    if backend.min_capability and dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        if cap < backend.min_capability:
+            need = "sm{}{}".format(*backend.min_capability)
+            return f"needs {need} or newer (the GPU is sm{cap[0]}{cap[1]})"
     return ""
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` can be found without importing it (a dotted name's parent is imported, and may be absent)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _inputs(shape, dtype, dev, with_mask: bool, seed: int = 0):
@@ -291,9 +317,13 @@ def probe_attention(
 ) -> list[BackendResult]:
     """Run every backend forward+backward at `shape` (B, H, L, D), compare output and gradients with SDPA's
     math backend in fp32, time the correct ones; return all results, fastest correct first (`chosen`).
-    `timer(name, fn) -> ms` replaces the median-of-`reps` timing (tests use it to be independent of load)."""
+    Each backend is timed with `reps` calls queued back to back (`queued_ms`), as a training step runs them: a
+    backend's host code overlaps the device's work. `timer(name, fn) -> ms` replaces that timing (tests use it to
+    be independent of load)."""
     dev = as_device_info(device).torch_device
     backends = BACKENDS if backends is None else backends
+    excluded = {n.strip() for n in os.environ.get(EXCLUDE_ENV, "").split(",") if n.strip()}
+    backends = {n: b for n, b in backends.items() if n not in excluded}
     path = Path(cache_path) if cache_path else default_cache_path()
     key = cache_key(tuple(shape), dtype, device, with_mask, backends=list(backends))
     if use_cache:
@@ -338,7 +368,7 @@ def _measure(shape, dtype, dev: torch.device, with_mask: bool, backends, warmup:
                 results.append(BackendResult(name, False, f"wrong: max rel. error {err:.2e} > {tol:.2e}", err))
                 continue
             run = functools.partial(_fwd_bwd, backend.run, q, k, v, go, mask)
-            ms = timer(name, run) if timer else median_ms(run, dev, warmup, reps)
+            ms = timer(name, run) if timer else queued_ms(run, dev, warmup, reps)
             results.append(BackendResult(name, True, "", err, ms))
         except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend; the reason is reported
             results.append(BackendResult(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
@@ -495,7 +525,10 @@ class AttentionDispatch:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         if torch.compiler.is_compiling():
-            name = "sdpa"  # the run's backend is set around the compiled call: compiled_context
+            backend = self.backends.get(self.run_choice or "sdpa")
+            if backend is not None and backend.op is not None:
+                return backend.op(q, k, v, mask)  # custom ops, traced as they are
+            name = "sdpa"  # an SDPA backend is set around the compiled call: compiled_context
         else:
             name = self.choice.get(self.key(q, k, mask))
             if name is None:

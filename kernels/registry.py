@@ -411,7 +411,8 @@ REGISTRY: dict[str, KernelSpec] = {
         KernelSpec(
             "attention",
             "choose the attention backend by measurement at the run's shape (SDPA cuDNN / flash / efficient / math, "
-            f"xformers, flash-attn when importable); {SAGE_REASON}",
+            "xformers, flash-attn, cuDNN's forward with FlashAttention-4's backward when importable); "
+            f"{SAGE_REASON}",
             cuda_applies,
             functools.partial(patch.install_block_op, op="attention"),
             check=attention_check,

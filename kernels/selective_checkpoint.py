@@ -36,7 +36,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import Tensor, nn
 
-from flux_kernels import fp8  # noqa: F401 - registers the fp8 custom ops named in _FP8
+from flux_kernels import attention_fa4, fp8  # noqa: F401 - register the custom ops named in _ATTENTION and _FP8
 
 ATTR = "_flux_selective_checkpoint"  # on a block: keep its policy's outputs when checkpointed
 PATCHED = "_flux_selective_checkpoint_original"  # on a patched module: the `checkpoint` it had
@@ -56,7 +56,9 @@ def _packets(names: tuple[str, ...]) -> frozenset:
     return frozenset(p for p in (getattr(torch.ops.aten, n, None) for n in names) if p is not None)
 
 
-_ATTENTION = _packets(ATTENTION_OPS)
+# with the cudnn_fa4 backend's forward (a custom op: flux_kernels.attention_fa4), whose outputs are the attention's
+# and its log-sum-exp
+_ATTENTION = _packets(ATTENTION_OPS) | {torch.ops.flux_kernels.cudnn_lse_attention}
 _MM = _packets(("mm",))
 _ADDMM = _packets(("addmm",))
 

@@ -1,5 +1,6 @@
-"""One way to time an op: the median of CUDA-event timings on a GPU (the GPU's own clock, no host-side launch
-overhead), perf_counter elsewhere. Shared by the attention probe, scripts/bench_kernels.py and the doctor."""
+"""Two ways to time an op: the median of CUDA-event timings of single calls on a GPU (`median_ms`: the GPU's own
+clock; scripts/bench_kernels.py and the doctor), and calls queued back to back (`queued_ms`: the attention probe),
+perf_counter elsewhere."""
 
 from __future__ import annotations
 
@@ -27,4 +28,31 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def queued_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int, rounds: int = 3) -> float:
+    """Milliseconds per call of fn() with `reps` calls queued back to back, the median over `rounds`: on a GPU,
+    CUDA events around all `reps` calls and no sync between them, so the host's work for one call overlaps the
+    device's for the one before, as in a training step, where the host runs ahead. A call whose host code is slow
+    (FlashAttention-4's Python interface: ~0.3-0.7 ms) and whose kernels are fast is then timed by its kernels, unless
+    its host work is the slower of the two. perf_counter elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / reps)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / reps)
     return statistics.median(times)

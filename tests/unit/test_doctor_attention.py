@@ -162,7 +162,18 @@ def test_without_a_gpu_attention_and_kernels_are_one_skip_each():
     assert [(r.check, r.status) for r in rows] == [("attention", "skip"), ("kernels", "skip")]
 
 
-@pytest.mark.parametrize("name", ["xformers", "flash_attn", "sdpa_flash", "other"])
+def test_a_backend_for_newer_gpus_is_skipped_on_older_ones(monkeypatch):
+    from flux_kernels.attention import BACKENDS
+
+    monkeypatch.setattr(doctor_attention, "_find_spec", lambda module: True)  # as if flash-attn-4 were installed
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
+    assert doctor_attention._unavailable(BACKENDS["cudnn_fa4"], "cuda") == "needs sm90 or newer (the GPU is sm86)"
+    assert doctor_attention._unavailable(BACKENDS["sdpa_cudnn"], "cuda") == ""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    assert doctor_attention._unavailable(BACKENDS["cudnn_fa4"], "cuda") == ""
+
+
+@pytest.mark.parametrize("name", ["xformers", "flash_attn", "cudnn_fa4", "sdpa_flash", "other"])
 def test_every_failing_backend_gets_a_fix(name):
     assert doctor_attention._fix_for(name)
 

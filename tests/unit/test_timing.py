@@ -1,0 +1,27 @@
+"""flux_kernels.timing on the CPU: warm-up calls untimed, `reps` calls per round, the median over rounds."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from flux_kernels.timing import median_ms, queued_ms
+
+
+def test_queued_ms_times_reps_calls_per_round_after_the_warmup():
+    calls = []
+
+    def fn():
+        calls.append(len(calls))
+        time.sleep(0.002 if len(calls) > 2 else 0.05)  # the two warm-up calls are slow and must not count
+
+    ms = queued_ms(fn, torch.device("cpu"), warmup=2, reps=4, rounds=3)
+    assert len(calls) == 2 + 4 * 3
+    assert 1.9 <= ms < 10  # per call: the 2 ms sleep and loop overhead, never the 50 ms warm-up
+
+
+def test_median_ms_still_times_single_calls():
+    calls = []
+    ms = median_ms(lambda: (calls.append(1), time.sleep(0.002)), torch.device("cpu"), warmup=1, reps=3)
+    assert len(calls) == 4 and 1.9 <= ms < 10
