@@ -87,11 +87,14 @@ class _Path:
 
 def probe(theirs: dict[str, Callable] | None = None, rounds: int = 40, seed: int = 0) -> tuple[bool, str]:
     """Ask torch's methods (or `theirs`) and ours the same questions about a random path of real CPU storages, with
-    the path changed between questions as torch changes it; (True, "") when every answer agrees."""
+    the path changed between questions as torch changes it; (True, "") when every answer agrees. The storages are
+    `torch.empty`'s: nothing is drawn from torch's global generator, which decides the run's data order (sd-scripts'
+    shuffled DataLoader takes its seed from it; a probe that drew from it gave `kernels=auto` other batches than
+    `kernels=off` with the same seed). Its own choices come from random.Random(seed)."""
     cgt = _trees()
     theirs = theirs or {name: getattr(cgt.CUDAGraphNode, name) for name in METHODS}
     rng = random.Random(seed)
-    keep = [torch.randn(rng.randint(1, 4)) for _ in range(24)]  # alive until replaced (below)
+    keep = [torch.empty(rng.randint(1, 4)) for _ in range(24)]  # alive until replaced (below)
     gone: list[Any] = []  # references whose storages are already freed
 
     def ref() -> Any:
@@ -101,18 +104,18 @@ def probe(theirs: dict[str, Callable] | None = None, rounds: int = 40, seed: int
         if pick < 0.3:
             return rng.choice(gone)
         if pick < 0.4:  # a dead reference at the address of a live storage (freed, then reused by the allocator)
-            dead = cgt.StorageWeakRefWrapper(torch.randn(3))
+            dead = cgt.StorageWeakRefWrapper(torch.empty(3))
             dead._data_ptr = rng.choice(keep).untyped_storage().data_ptr()
             return dead
         return cgt.StorageWeakRefWrapper(rng.choice(keep))
 
     node = _Path([])
     try:
-        gone.extend(cgt.StorageWeakRefWrapper(torch.randn(3)) for _ in range(6))
+        gone.extend(cgt.StorageWeakRefWrapper(torch.empty(3)) for _ in range(6))
         node.path_weakrefs.extend([ref() for _ in range(rng.randint(0, 6))] for _ in range(8))
         path = node.path_weakrefs
         for r in range(rounds):
-            queries = keep + [k[1:] for k in keep if k.numel() > 1] + [torch.randn(2), torch.empty(0)]
+            queries = keep + [k[1:] for k in keep if k.numel() > 1] + [torch.empty(2), torch.empty(0)]
             for t in rng.sample(queries, 8):
                 for name in METHODS:
                     want, got = theirs[name](node, t), OURS[name](node, t)
@@ -128,7 +131,7 @@ def probe(theirs: dict[str, Callable] | None = None, rounds: int = 40, seed: int
             elif change < 0.8:
                 path.append([ref() for _ in range(3)])
             else:  # a storage freed (its references die) and a new one made, maybe at its address
-                keep[rng.randrange(len(keep))] = torch.randn(2)
+                keep[rng.randrange(len(keep))] = torch.empty(2)
     except Exception as e:  # torch's methods read more than the path here: not the code this was written for
         return False, f"this torch's CUDAGraphNode does not take the probe ({type(e).__name__}: {e})"
     finally:

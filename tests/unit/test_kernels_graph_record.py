@@ -130,3 +130,13 @@ def test_install_patches_torch_once_and_remove_puts_its_methods_back(monkeypatch
         not graph_record.installed()
         and cgt.CUDAGraphNode.__dict__["_is_cuda_graph_recorded_tensor"] is TORCH["_is_cuda_graph_recorded_tensor"]
     )
+
+
+def test_the_probe_draws_nothing_from_the_runs_random_streams():
+    """sd-scripts' shuffled DataLoader seeds itself from torch's global generator when it starts iterating, after the
+    kernels are installed: a probe that drew from it gave kernels=auto other batches than kernels=off."""
+    torch.manual_seed(5)
+    random.seed(5)
+    before, py_before = torch.get_rng_state(), random.getstate()
+    assert graph_record.probe() == (True, "")
+    assert torch.equal(torch.get_rng_state(), before) and random.getstate() == py_before
