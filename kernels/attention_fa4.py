@@ -111,7 +111,12 @@ cudnn_lse_attention.register_autograd(_backward, setup_context=_setup)
 
 
 def cudnn_fa4(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """The attention backend's call: [B, H, L, D] in, [B, H, L, D] out; no mask."""
+    """The attention backend's call: [B, H, L, D] in, [B, H, L, D] out; no mask. Under autocast the inputs are cast
+    to its dtype first, as autocast casts them for PyTorch's SDPA (custom ops are not cast by autocast)."""
     if mask is not None:
         raise NotImplementedError(NO_MASK)
+    kind = q.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     return cudnn_lse_attention(q, k, v)[0]

@@ -152,3 +152,16 @@ def test_the_environment_can_leave_a_backend_out_of_the_probe(tmp_path, monkeypa
     results = attention.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False, backends=backends,
                                         cache_path=tmp_path / "c.json", reps=1)  # fmt: skip
     assert sorted(r.name for r in results) == ["cudnn_fa4", "math"]  # another cache entry: both tried
+
+
+def test_under_autocast_it_takes_the_dtype_sdpa_would():
+    q, k, v, go = _qkv((1, 2, 23, 16), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.scaled_dot_product_attention(q, k, v)
+        got = attention_fa4.cudnn_fa4(q, k, v)
+    assert got.dtype == want.dtype == torch.bfloat16 and max_rel_err(got, want) < 3e-2
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention_fa4.cudnn_fa4(*leaves)
+    out.backward(go.to(out.dtype))
+    assert all(t.grad.dtype == torch.float32 for t in leaves)  # gradients back in the inputs' dtype
