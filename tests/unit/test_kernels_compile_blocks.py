@@ -307,3 +307,32 @@ def test_a_changed_backward_is_a_cache_miss(tmp_path, monkeypatch, torch_config)
     assert hit == 1 and hit3 == 0
     torch.testing.assert_close(one_again, one)
     torch.testing.assert_close(three, 3 * one)
+
+
+def test_installing_kernels_and_the_first_forward_draw_nothing_from_the_runs_random_streams(fm, tmp_path):
+    """sd-scripts' shuffled DataLoader seeds itself from torch's global generator once training iterates, after the
+    kernels are installed, and Python's `random` shuffles its buckets: a kernel that drew from either (its probe,
+    its install and verification, the attention probe at the first forward, compiling) would give kernels=auto other
+    batches than kernels=off with the same seed, as graph_record's probe once did where blocks replay from CUDA
+    graphs. The kernels that install on a CPU, compiled."""
+    import random
+
+    from flux_kernels import registry
+
+    model = tiny_flux(fm)
+    model.requires_grad_(False).img_in.requires_grad_(True)
+    torch.manual_seed(3)
+    random.seed(3)
+    torch_state, py_state = torch.get_rng_state(), random.getstate()
+    options = {"attention": {"cache_path": tmp_path / "attention.json", "device": torch.device("cpu")}}
+    names = ["attention", "single_qkv", "flux_prologue", "compile_blocks"]
+    try:
+        installed = patch.apply_kernels(model, registry.unchecked(names), options=options)
+        dispatch = model.double_blocks[0]._flux_kernels.attention
+        tiny_flux_forward(model).square().mean().backward()
+    finally:
+        patch.remove_kernels(model)
+        torch._dynamo.reset()
+    assert sorted(installed) == sorted(names)
+    assert dispatch.run_choice is not None  # the first forward probed
+    assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == py_state
