@@ -86,7 +86,7 @@ class FoldedDown(torch.autograd.Function):
         yh = x @ wa.t()  # [x Wᵀ, x Aᵀ]
         h = yh[:, n:].contiguous()
         ctx.save_for_backward(x, h, wa, b)
-        ctx.n, ctx.s = n, s
+        ctx.s = s
         # not addmm: with the strided x Wᵀ as its input, it copies that into its output first; a pointwise sum is
         # one pass, which inductor fuses into whatever takes y
         y = yh[:, :n] + (h @ b.t()) * s

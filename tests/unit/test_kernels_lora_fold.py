@@ -56,7 +56,8 @@ def _no_lora_in_dx_up(backward):
 def _no_lora_in_dx_down(backward):
     def wrong(ctx, dy):
         dx, *rest = backward(ctx, dy)
-        return (dy @ ctx.saved_tensors[2][: ctx.n], *rest)  # drops s·dY @ B @ A from the input gradient
+        _, _, wa, b = ctx.saved_tensors
+        return (dy @ wa[: b.shape[0]], *rest)  # drops s·dY @ B @ A from the input gradient
 
     return wrong
 
