@@ -12,7 +12,6 @@ never raised: the doctor must not crash on the thing it is diagnosing.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,30 +39,9 @@ def _fix_for(name: str) -> str:
     return f"reinstall {name} for your torch and GPU, or uninstall it"
 
 
-def _find_spec(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package that is broken or absent
-        return False
-
-
-def _unavailable(backend: Any, device_type: str) -> str:
-    """Why a backend cannot be tried here at all (not installed, CUDA-only, no backward); '' if it can."""
-    if not getattr(backend, "trainable", True):
-        return getattr(backend, "note", "") or "no backward pass: not usable for training"
-    requires = getattr(backend, "requires", "")
-    if requires and not _find_spec(requires):
-        return f"{requires} is not installed (optional)"
-    if getattr(backend, "cuda_only", True) and device_type != "cuda":
-        return f"needs CUDA (device is {device_type})"
-    need = getattr(backend, "min_capability", None)
-    if need and device_type == "cuda":
-        import torch
-
-        cap = torch.cuda.get_device_capability()
-        if cap < need:
-            return f"needs sm{need[0]}{need[1]} or newer (the GPU is sm{cap[0]}{cap[1]})"
-    return ""
+def _optional(why: str) -> str:
+    """flux_kernels' reason a backend cannot be tried here ('' if it can), a missing package marked optional."""
+    return f"{why} (optional)" if why.endswith("is not installed") else why
 
 
 def attention_checks(
@@ -80,7 +58,7 @@ def attention_checks(
 
         fk_attention = importlib.import_module("flux_kernels.attention")
 
-        probe_attention = fk_attention.probe_attention
+        probe_attention, unavailable = fk_attention.probe_attention, fk_attention.unavailable
         candidates = dict(fk_attention.BACKENDS if backends is None else backends)
     except Exception as e:  # noqa: BLE001 - a half-finished or changed flux_kernels must not crash the doctor
         return [
@@ -97,7 +75,7 @@ def attention_checks(
     dtype = torch.bfloat16 if dtype is None else dtype
     rows, runnable = [], {}
     for name, backend in candidates.items():
-        why = _unavailable(backend, dev.type)
+        why = _optional(unavailable(backend, dev))
         if why:
             rows.append(CheckResult(f"attention: {name}", SKIP, why, "", GROUP_ATTENTION))
         else:

@@ -251,10 +251,12 @@ def _write_cache(path: Path, key: str, results: Sequence[BackendResult]) -> None
         log.warning("attention probe: could not write cache %s (%s)", path, e)
 
 
-def _unavailable(backend: AttentionBackend, dev: torch.device) -> str:
+def unavailable(backend: AttentionBackend, dev: torch.device) -> str:
+    """Why `backend` cannot be tried on `dev` at all (no backward, not installed, CUDA only, too old a GPU); '' if it
+    can. The probe skips such backends with this reason; flux-train's doctor shows it."""
     if not backend.trainable:
         return backend.note
-    if backend.requires and not _importable(backend.requires):
+    if backend.requires and not importable(backend.requires):
         return f"{backend.requires} is not installed"
     if backend.cuda_only and dev.type != "cuda":
         return f"needs CUDA (device is {dev.type})"
@@ -266,7 +268,7 @@ def _unavailable(backend: AttentionBackend, dev: torch.device) -> str:
     return ""
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
     """Whether `module` can be found without importing it (a dotted name's parent is imported, and may be absent)."""
     try:
         return importlib.util.find_spec(module) is not None
@@ -355,7 +357,7 @@ def _measure(shape, dtype, dev: torch.device, with_mask: bool, backends, warmup:
     tol = max(TOLERANCE.get(dtype, 2e-2), 3 * base)
     results = []
     for name, backend in backends.items():
-        why = _unavailable(backend, dev)
+        why = unavailable(backend, dev)
         weights = shape[0] * shape[1] * shape[2] ** 2 * torch.finfo(dtype).bits // 8
         if not why and backend.quadratic and weights > QUADRATIC_PROBE_BYTES:
             why = f"not tried at {shape[2]} tokens: it materialises [B, H, L, L] weights ({weights / 2**30:.2f} GiB)"

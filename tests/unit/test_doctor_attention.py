@@ -162,15 +162,20 @@ def test_without_a_gpu_attention_and_kernels_are_one_skip_each():
     assert [(r.check, r.status) for r in rows] == [("attention", "skip"), ("kernels", "skip")]
 
 
-def test_a_backend_for_newer_gpus_is_skipped_on_older_ones(monkeypatch):
+def test_the_doctor_gives_flux_kernels_reasons_a_missing_package_marked_optional(monkeypatch):
+    from flux_kernels import attention
     from flux_kernels.attention import BACKENDS
 
-    monkeypatch.setattr(doctor_attention, "_find_spec", lambda module: True)  # as if flash-attn-4 were installed
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "importable", lambda module: False)
+    assert doctor_attention._optional(attention.unavailable(BACKENDS["cudnn_fa4"], cuda)) == (
+        "flash_attn.cute is not installed (optional)"
+    )
+    monkeypatch.setattr(attention, "importable", lambda module: True)  # as if flash-attn-4 were installed
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
-    assert doctor_attention._unavailable(BACKENDS["cudnn_fa4"], "cuda") == "needs sm90 or newer (the GPU is sm86)"
-    assert doctor_attention._unavailable(BACKENDS["sdpa_cudnn"], "cuda") == ""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
-    assert doctor_attention._unavailable(BACKENDS["cudnn_fa4"], "cuda") == ""
+    why = doctor_attention._optional(attention.unavailable(BACKENDS["cudnn_fa4"], cuda))
+    assert why == "needs sm90 or newer (the GPU is sm86)"
+    assert doctor_attention._optional(attention.unavailable(BACKENDS["sdpa_cudnn"], cuda)) == ""
 
 
 @pytest.mark.parametrize("name", ["xformers", "flash_attn", "cudnn_fa4", "sdpa_flash", "other"])

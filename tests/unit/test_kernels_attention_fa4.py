@@ -71,7 +71,7 @@ def test_torch_library_op_checks():
 def test_compiled_blocks_call_the_ops_when_the_probe_chose_them(tmp_path, monkeypatch):
     """With `cudnn_fa4` as the run's choice, traced code calls its custom ops (no graph break, no SDPA); the result
     and the gradients are the attention's."""
-    monkeypatch.setattr(attention, "_unavailable", lambda backend, dev: "")  # as on a GPU with flash-attn-4
+    monkeypatch.setattr(attention, "unavailable", lambda backend, dev: "")  # as on a GPU with flash-attn-4
     backends = {"cudnn_fa4": BACKENDS["cudnn_fa4"]}
     dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
     assert dispatch.decide_run((1, 2, 21, 8), torch.float32, "cpu", False) == "cudnn_fa4"
@@ -98,26 +98,26 @@ def test_compiled_blocks_call_the_ops_when_the_probe_chose_them(tmp_path, monkey
 def test_why_the_probe_leaves_it_out(monkeypatch):
     backend = BACKENDS["cudnn_fa4"]
     assert backend.requires == "flash_attn.cute" and backend.min_capability == (9, 0)
-    monkeypatch.setattr(attention, "_importable", lambda module: False)
-    assert attention._unavailable(backend, torch.device("cpu")) == "flash_attn.cute is not installed"
-    monkeypatch.setattr(attention, "_importable", lambda module: True)
-    assert attention._unavailable(backend, torch.device("cpu")) == "needs CUDA (device is cpu)"
+    monkeypatch.setattr(attention, "importable", lambda module: False)
+    assert attention.unavailable(backend, torch.device("cpu")) == "flash_attn.cute is not installed"
+    monkeypatch.setattr(attention, "importable", lambda module: True)
+    assert attention.unavailable(backend, torch.device("cpu")) == "needs CUDA (device is cpu)"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 9))
-    assert attention._unavailable(backend, torch.device("cuda")) == "needs sm90 or newer (the GPU is sm89)"
+    assert attention.unavailable(backend, torch.device("cuda")) == "needs sm90 or newer (the GPU is sm89)"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (12, 0))
-    assert attention._unavailable(backend, torch.device("cuda")) == ""
+    assert attention.unavailable(backend, torch.device("cuda")) == ""
     q, k, v, _ = _qkv((1, 2, 5, 8))
     with pytest.raises(NotImplementedError, match="no attention mask"):
         attention_fa4.cudnn_fa4(q, k, v, torch.ones(1, 2, 5, 5, dtype=torch.bool))
 
 
 def test_a_missing_parent_package_reads_as_not_installed():
-    assert not attention._importable("surely_not_a_package_here.cute")
-    assert attention._importable("torch.nn")
+    assert not attention.importable("surely_not_a_package_here.cute")
+    assert attention.importable("torch.nn")
 
 
 def test_the_probe_with_a_mask_rejects_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(attention, "_unavailable", lambda backend, dev: "")
+    monkeypatch.setattr(attention, "unavailable", lambda backend, dev: "")
     backends = {"cudnn_fa4": BACKENDS["cudnn_fa4"],
                 "math": AttentionBackend("math", BACKENDS["sdpa_math"].run, cuda_only=False)}  # fmt: skip
     results = attention.probe_attention((1, 2, 19, 8), torch.float32, "cpu", True, backends=backends,
@@ -141,7 +141,7 @@ def test_the_cache_key_names_flash_attn_4():
 
 
 def test_the_environment_can_leave_a_backend_out_of_the_probe(tmp_path, monkeypatch):
-    monkeypatch.setattr(attention, "_unavailable", lambda backend, dev: "")
+    monkeypatch.setattr(attention, "unavailable", lambda backend, dev: "")
     backends = {"cudnn_fa4": BACKENDS["cudnn_fa4"],
                 "math": AttentionBackend("math", BACKENDS["sdpa_math"].run, cuda_only=False)}  # fmt: skip
     monkeypatch.setenv(attention.EXCLUDE_ENV, "cudnn_fa4, other")
