@@ -193,6 +193,47 @@ def test_compiled_blocks_call_the_backend_the_probe_chose(fm, tmp_path, choice, 
     assert any("_scaled_dot_product_flash_attention_for_cpu" in t for t in traced) == fused, sorted(set(traced))
 
 
+def test_compiled_blocks_with_cudnn_fa4_call_its_ops_and_train_as_with_sdpa(fm, tmp_path):
+    """With `cudnn_fa4` as the run's choice the compiled blocks' forward graphs call its forward op and the backward
+    graphs its backward op (on the CPU both run their plain-PyTorch math), through FLUX's real blocks and
+    heads_to_tokens; the loss and the gradients are those of the same blocks on PyTorch's math backend."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def run(choice):
+        traced = {"fw": [], "bw": []}
+
+        def compiler(kind):
+            def compile_graph(gm, example_inputs):
+                traced[kind].extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+                return make_boxed_func(gm.forward)
+
+            return compile_graph
+
+        options = {
+            "attention": {"cache_path": tmp_path / f"{choice}.json", "device": torch.device("cpu")},
+            "compile_blocks": {"backend": aot_autograd(fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))},
+        }
+        model = _tiny_flux_with(fm, ["attention", "compile_blocks"], choice, options)
+        torch._dynamo.reset()
+        try:
+            loss = tiny_flux_forward(model).square().mean()
+            loss.backward()
+        finally:
+            patch.remove_kernels(model)
+            torch._dynamo.reset()
+        return loss.detach(), [p.grad for p in model.img_in.parameters()], traced
+
+    loss, grads, traced = run("cudnn_fa4")
+    want_loss, want_grads, _ = run("sdpa_math")
+    assert any("cudnn_lse_attention" in t for t in traced["fw"]), sorted(set(traced["fw"]))
+    assert any("fa4_attention_backward" in t for t in traced["bw"]), sorted(set(traced["bw"]))
+    assert not any("scaled_dot_product" in t for t in traced["fw"])
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
 def test_compiled_blocks_with_a_chosen_backend_stay_in_the_autograd_cache(fm, tmp_path, monkeypatch, torch_config):
     """A backend switch inside traced code put a call the AOTAutograd cache cannot key into every graph (measured
     on the H200: 'Unsupported call_function target ... _backend_from_string', 2 of 4 graphs bypassed in every run);
