@@ -41,6 +41,9 @@ class BenchResult:
     s_per_step: float | None = None
     s_min: float | None = None
     s_max: float | None = None
+    # the measured window's wall time over its steps: throughput, which intervals bunched by the loop's asynchronous
+    # logging (train.sync_free: a step's events can land late, the next one's early) do not move
+    s_mean: float | None = None
     torch_peak_gib: float | None = None
     card_peak_gib: float | None = None
     tflops: float | None = None
@@ -98,7 +101,8 @@ class CardMemoryPoller:
 
 
 def step_stats(tb_dir: Path, warmup: int) -> dict:
-    """s/step (median, min, max after `warmup` steps) from loss event wall times, plus our own tags if present."""
+    """s/step (median, min, max and mean after `warmup` steps) from loss event wall times, plus our own tags if
+    present."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     wall: dict[int, float] = {}
@@ -117,6 +121,7 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
     out: dict = {"steps": len(steps), "first_wall": wall[steps[0]] if steps else None}
     if deltas:
         out.update(s_per_step=statistics.median(deltas), s_min=min(deltas), s_max=max(deltas))
+        out["s_mean"] = statistics.fmean(deltas)
     step_s, data_s = dict(tags.get("time/step_s", [])), dict(tags.get("time/data_s", []))
     if step_s and deltas:
         for key, step in zip(("step1_extra_s", "step2_extra_s"), sorted(step_s), strict=False):
@@ -343,7 +348,7 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
 
 def table(results: list[BenchResult]) -> str:
     head = (
-        f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'torch pk':>8} {'card pk':>8} "
+        f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'card pk':>8} "
         f"{'TFLOP/s':>7} {'MFU':>5} {'1st step':>8} {'+s 1st/2nd':>11}"
     )
     lines = [head, "-" * len(head)]
@@ -351,7 +356,7 @@ def table(results: list[BenchResult]) -> str:
         rng = f"{_num(r.s_min, '.3f')}-{_num(r.s_max, '.3f')}" if r.s_min is not None else "-"
         extra = f"{_num(r.step1_extra_s, '.1f')}/{_num(r.step2_extra_s, '.1f')}"
         lines.append(
-            f"{r.case[:36]:<36} {r.exit_code:>4} {_num(r.s_per_step, '.3f'):>7} {rng:>13} "
+            f"{r.case[:36]:<36} {r.exit_code:>4} {_num(r.s_per_step, '.3f'):>7} {rng:>13} {_num(r.s_mean, '.3f'):>6} "
             f"{_num(r.torch_peak_gib, '.1f'):>8} "
             f"{_num(r.card_peak_gib, '.1f'):>8} {_num(r.tflops, '.0f'):>7} {_num(r.mfu, '.2f'):>5} "
             f"{_num(r.first_step_s, '.0f'):>8} {extra:>11}"

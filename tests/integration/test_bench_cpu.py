@@ -157,6 +157,24 @@ def test_step_stats_time_steps_and_the_first_two_steps_extra(tmp_path):
     assert "30.0/10.0" in table([BenchResult(case="c", overrides=[], exit_code=0, **stats)])
 
 
+def test_step_stats_mean_is_the_windows_throughput_where_intervals_bunch(tmp_path):
+    """Loss events logged late for one step and early for the next (sync-free steps) make the intervals uneven: the
+    median and the range follow the bunching, the mean is the measured window's wall time over its steps."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from flux_trainer.bench import BenchResult, step_stats, table
+
+    writer = SummaryWriter(str(tmp_path / "tb" / "network_train"))
+    for step, wall in {1: 0.0, 2: 1.0, 3: 1.1, 4: 1.2, 5: 2.1, 6: 3.0}.items():
+        writer.add_scalar("loss/current", 1.0, step, walltime=wall)
+    writer.close()
+    stats = step_stats(tmp_path / "tb", warmup=1)
+    assert stats["s_per_step"] == pytest.approx(0.9) and stats["s_min"] == pytest.approx(0.1)
+    assert stats["s_mean"] == pytest.approx(3.0 / 5)
+    stats.pop("first_wall")
+    assert " 0.600 " in table([BenchResult(case="c", overrides=[], exit_code=0, **stats)])
+
+
 def test_compare_runs_loss_difference_and_lora_cosines(tmp_path):
     import torch
 
