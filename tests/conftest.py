@@ -117,8 +117,11 @@ def tiny_flux(fm, **shapes):
     return fm.Flux(dataclasses.replace(fm.configs["dev"].params, **{**PRESETS["tiny"]["flux"], **shapes}))
 
 
-def tiny_flux_forward(model, img_tokens: int = 16, txt_tokens: int = 8, mask: bool = False, seed: int = 1):
-    """One call of a `tiny_flux` model on seeded random inputs (mask: an all-true T5 attention mask)."""
+def tiny_flux_forward(
+    model, img_tokens: int = 16, txt_tokens: int = 8, mask: bool = False, seed: int = 1, device: str = "cpu"
+):
+    """One call of a `tiny_flux` model on seeded random inputs (mask: an all-true T5 attention mask), made on the
+    CPU from a generator of their own and moved to `device`."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -126,5 +129,8 @@ def tiny_flux_forward(model, img_tokens: int = 16, txt_tokens: int = 8, mask: bo
     ids = torch.zeros(1, img_tokens, 3), torch.zeros(1, txt_tokens, 3)
     m = torch.ones(1, txt_tokens, dtype=torch.bool) if mask else None
     y, t, guidance = torch.randn(1, 64, generator=g), torch.rand(1, generator=g), torch.full((1,), 3.5)
+    img, txt, y, t, guidance = (x.to(device) for x in (img, txt, y, t, guidance))
+    ids = tuple(x.to(device) for x in ids)
+    m = None if m is None else m.to(device)
     return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance,
                  txt_attention_mask=m)  # fmt: skip
