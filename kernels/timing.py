@@ -12,23 +12,8 @@ import torch
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
-    """Median milliseconds of fn() over `reps` calls after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds of fn() over `reps` calls timed one at a time, after `warmup` untimed ones."""
+    return queued_ms(fn, device, warmup, reps=1, rounds=reps)
 
 
 def queued_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int, rounds: int = 3) -> float:
