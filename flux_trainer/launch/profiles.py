@@ -25,6 +25,7 @@ SMALL_CARD_GIB = 25.0
 _CUDA = frozenset({"blackwell_consumer", "blackwell", "hopper", "ada", "ampere", "older"})
 _TF32 = frozenset({"blackwell_consumer", "blackwell", "hopper", "ada", "ampere"})  # sm_80+: TF32 tensor cores
 _ALL = frozenset({*_CUDA, "rocm", "cpu"})
+_SM90 = frozenset({"blackwell_consumer", "blackwell", "hopper"})  # where flash-attn-4 (the cudnn_fa4 backend) runs
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,19 @@ TABLE: tuple[EnvRule, ...] = (
         _CUDA,
         lambda c: str(c.cache_dir / "triton"),
         "compiled Triton kernels persist beside the inductor cache and are reused between runs",
+    ),
+    EnvRule(
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+        _SM90,
+        lambda c: "1",
+        "flash-attn-4 (the cudnn_fa4 attention backend, where installed) keeps the kernels it compiles for each "
+        "shape on disk: a later run loads them instead of compiling them again; no effect without flash-attn-4",
+    ),
+    EnvRule(
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
+        _SM90,
+        lambda c: str(c.cache_dir / "flash_attn_cute"),
+        "flash-attn-4's compiled kernels beside the inductor and Triton caches (its default is under /tmp)",
     ),
 )
 

@@ -99,6 +99,16 @@ def test_nccl_p2p_off_only_for_consumer_multi_gpu(key, gpus, disabled):
     assert (env.get("NCCL_IB_DISABLE") == "1") is disabled
 
 
+@pytest.mark.parametrize(
+    ("key", "cached"),
+    [("rtx5090", True), ("b200", True), ("h100", True), ("rtx4090", False), ("a100", False), ("t4", False)],
+)
+def test_flash_attn_4_disk_cache_only_where_it_runs(key, cached):
+    env = profile(card(key)).env
+    assert (env.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1") is cached
+    assert env.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") == (str(CACHE / "flash_attn_cute") if cached else None)
+
+
 def test_cpu_gets_no_cuda_variables():
     env = profile(DeviceInfo.cpu(torch_version="2.13.0+cpu")).env
     for name in (
@@ -108,6 +118,7 @@ def test_cpu_gets_no_cuda_variables():
         "NCCL_P2P_DISABLE",
         "TRITON_CACHE_DIR",
         "CUDA_MODULE_LOADING",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
     ):
         assert name not in env
     assert env["TOKENIZERS_PARALLELISM"] == "false" and env["OMP_NUM_THREADS"] == "4"
