@@ -61,6 +61,11 @@ def _arch_list(c: _Context) -> str | None:
     return f"{cap[0]}.{cap[1]}"  # this card only: "12.0" RTX 50xx, "9.0" H100, "8.9" RTX 40xx, "8.6" RTX 30xx
 
 
+def _flash_attn_cache(c: _Context) -> str | None:
+    cap = c.info.capability
+    return None if cap is None else str(c.cache_dir / "flash_attn_cute" / f"sm{cap[0]}{cap[1]}")
+
+
 def _consumer_multi_gpu(c: _Context) -> str | None:
     return "1" if c.gpus > 1 and not c.info.peer_to_peer else None
 
@@ -149,8 +154,10 @@ TABLE: tuple[EnvRule, ...] = (
     EnvRule(
         "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
         _SM90,
-        lambda c: str(c.cache_dir / "flash_attn_cute"),
-        "flash-attn-4's compiled kernels beside the inductor and Triton caches (its default is under /tmp)",
+        _flash_attn_cache,
+        "flash-attn-4's compiled kernels beside the inductor and Triton caches (its default is under /tmp), a folder "
+        "per compute capability: some of its cache keys leave the GPU out, and a cache folder may be shared by nodes "
+        "with other cards",
     ),
 )
 

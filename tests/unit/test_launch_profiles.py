@@ -106,7 +106,8 @@ def test_nccl_p2p_off_only_for_consumer_multi_gpu(key, gpus, disabled):
 def test_flash_attn_4_disk_cache_only_where_it_runs(key, cached):
     env = profile(card(key)).env
     assert (env.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1") is cached
-    assert env.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") == (str(CACHE / "flash_attn_cute") if cached else None)
+    sm = "sm{}{}".format(*CARDS[key][1])
+    assert env.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR") == (str(CACHE / "flash_attn_cute" / sm) if cached else None)
 
 
 def test_cpu_gets_no_cuda_variables():
