@@ -53,6 +53,9 @@ class BenchResult:
     step2_extra_s: float | None = None  # the same for the second (a retrace there: selective checkpointing's plan)
     compared_to: str | None = None  # numerics against this case (same settings, the first --kernels set)
     loss_rel_diff: float | None = None  # mean over steps of |loss - loss_ref| / |loss_ref|
+    # the same without the absolute value: near 0 where the runs differ by noise, near -loss_rel_diff where this run's
+    # loss is the lower one at every step (a drift, as torch.compile's late-step loss gap against eager bf16)
+    loss_rel_bias: float | None = None
     lora_cosine: float | None = None  # cosine of all LoRA tensors after the run, flattened together
     lora_up_cosine: float | None = None  # the same over lora_up only (zero at init: all of it was learned)
     # the lowest lora_up cosine of one kind of module over all blocks (`module_group`), and that kind: a fault in
@@ -175,7 +178,9 @@ def compare_runs(ref_dir: Path, run_dir: Path) -> dict:
     ref, got = losses(Path(ref_dir) / "tb"), losses(Path(run_dir) / "tb")
     common = sorted(set(ref) & set(got))
     if common:
-        out["loss_rel_diff"] = statistics.mean(abs(got[s] - ref[s]) / max(abs(ref[s]), 1e-12) for s in common)
+        rel = [(got[s] - ref[s]) / max(abs(ref[s]), 1e-12) for s in common]
+        out["loss_rel_diff"] = statistics.mean(abs(d) for d in rel)
+        out["loss_rel_bias"] = statistics.mean(rel)
     ref_file, got_file = lora_file(ref_dir), lora_file(run_dir)
     if ref_file and got_file:
         a, b = load_file(str(ref_file)), load_file(str(got_file))
@@ -212,15 +217,16 @@ def _num(v: float | None, spec: str = ".4f") -> str:
 
 
 def numerics_table(results: list[BenchResult]) -> str:
-    head = (f"{'case':<36} {'against':<36} {'loss diff':>9} {'LoRA cos':>8} {'up cos':>8} {'1st step +s':>11}  "
-            "lowest up cos (module kind)")  # fmt: skip
+    head = (f"{'case':<36} {'against':<36} {'loss diff':>9} {'bias':>8} {'LoRA cos':>8} {'up cos':>8} "
+            f"{'1st step +s':>11}  lowest up cos (module kind)")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in results:
         if r.compared_to:
             worst = "-" if r.lora_up_min_cosine is None else f"{r.lora_up_min_cosine:.4f} ({r.lora_up_min_group})"
             lines.append(
-                f"{r.case[:36]:<36} {r.compared_to[:36]:<36} {_num(r.loss_rel_diff):>9} {_num(r.lora_cosine):>8} "
-                f"{_num(r.lora_up_cosine):>8} {_num(r.step1_extra_s, '.1f'):>11}  {worst}"
+                f"{r.case[:36]:<36} {r.compared_to[:36]:<36} {_num(r.loss_rel_diff):>9} "
+                f"{_num(r.loss_rel_bias, '+.4f'):>8} {_num(r.lora_cosine):>8} {_num(r.lora_up_cosine):>8} "
+                f"{_num(r.step1_extra_s, '.1f'):>11}  {worst}"
             )
     return "\n".join(lines)
 
