@@ -190,6 +190,11 @@ def test_compare_runs_loss_difference_and_lora_cosines(tmp_path):
     got = compare_runs(ref, other)
     assert got["loss_rel_diff"] == pytest.approx((0.1 + 0.1) / 3, rel=1e-5)
     assert got["loss_rel_bias"] == pytest.approx((0.1 - 0.1) / 3, abs=1e-6)  # one step above, one below: no drift
+    assert got["lora_up_cosine"] == pytest.approx(-1.0)  # the learned half points the other way
+    n_up, n_down = up.double().square().sum(), down.double().square().sum()
+    # absolute tolerance: n_down - n_up can be near zero for some draws, and float32 sums differ in the 7th digit
+    assert got["lora_cosine"] == pytest.approx(float((n_down - n_up) / (n_down + n_up)), abs=1e-5)
+    # a run whose loss is the lower at every step: the signed mean is minus the absolute one
     lower = _fake_run(tmp_path / "lower", [0.9, 0.45, 0.25], {"a.lora_up.weight": up, "a.lora_down.weight": down})
     drift = compare_runs(ref, lower)
     assert drift["loss_rel_bias"] == pytest.approx(-drift["loss_rel_diff"]) and drift["loss_rel_diff"] > 0.06
@@ -197,10 +202,6 @@ def test_compare_runs_loss_difference_and_lora_cosines(tmp_path):
 
     row = BenchResult(case="k-auto", overrides=[], exit_code=0, compared_to="k-off", **drift)
     assert f" {drift['loss_rel_diff']:.4f}  {drift['loss_rel_bias']:+.4f} " in numerics_table([row])
-    assert got["lora_up_cosine"] == pytest.approx(-1.0)  # the learned half points the other way
-    n_up, n_down = up.double().square().sum(), down.double().square().sum()
-    # absolute tolerance: n_down - n_up can be near zero for some draws, and float32 sums differ in the 7th digit
-    assert got["lora_cosine"] == pytest.approx(float((n_down - n_up) / (n_down + n_up)), abs=1e-5)
 
 
 def test_compare_runs_names_the_kind_of_module_whose_lora_up_agrees_least(tmp_path):
