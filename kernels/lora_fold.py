@@ -49,6 +49,7 @@ ATTR = "_flux_lora_fold"  # on a folded LoRA module: its _Fold; on the model: (h
 BUFFER = "_flux_lora_fold_wb"  # on a folded Linear: the [N, K + r] or [N + r, K] buffer, once re-homed
 WIDE = 6  # fold B where out_features >= WIDE * in_features (FLUX: the single blocks' linear1, 3072 -> 21504)
 WIDE_IN = 4  # fold A where in_features >= WIDE_IN * out_features (FLUX: linear2, 15360 -> 3072; mlp.2, 12288 -> 3072)
+FOLDABLE = f"out >= {WIDE}x in or in >= {WIDE_IN}x out"  # the layers folded, as messages name them
 
 
 class FoldedLoRA(torch.autograd.Function):

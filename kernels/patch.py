@@ -341,8 +341,7 @@ def install_lora_fold(model: nn.Module, **_) -> str:
         raise KernelError(f"lora_fold: {why} (drop lora_fold or block swap)")
     done = lora_fold.install(model)
     if not done:
-        why = f"out >= {lora_fold.WIDE}x in or in >= {lora_fold.WIDE_IN}x out"
-        raise KernelError(f"lora_fold: no plain LoRA on a frozen Linear with {why}")
+        raise KernelError(f"lora_fold: no plain LoRA on a frozen Linear with {lora_fold.FOLDABLE}")
     sides = lora_fold.sides(model)
     return (
         f"lora_fold: {done} LoRA Linear layers ({sides['up']} with B, {sides['down']} with A inside the frozen "

@@ -164,14 +164,14 @@ def has_wide_lora(model) -> tuple[bool, str]:
     """`auto` folds the LoRA where there are layers to fold and the model does not checkpoint its blocks: measured
     faster without checkpointing (vram80); with it, the card's peak (+0.6-1.2 GiB reserved at vram80) is unmeasured
     against the checkpointed tiers' budgets, so there it must be named."""
-    n, wide = len(lora_fold.candidates(model)), f"out >= {lora_fold.WIDE}x in or in >= {lora_fold.WIDE_IN}x out"
+    n = len(lora_fold.candidates(model))
     if not n:
-        return False, f"no plain LoRA on a frozen Linear with {wide}"
+        return False, f"no plain LoRA on a frozen Linear with {lora_fold.FOLDABLE}"
     if getattr(model, "blocks_to_swap", None):
         return False, "block swap is on (it moves the frozen weights every step)"
     if getattr(model, "gradient_checkpointing", False):
         return False, "gradient checkpointing is on (measured without it only: name lora_fold to use it)"
-    return True, f"{n} LoRA Linear layers with {wide}"
+    return True, f"{n} LoRA Linear layers with {lora_fold.FOLDABLE}"
 
 
 def checkpoints_blocks(model) -> tuple[bool, str]:
