@@ -57,6 +57,9 @@ class AttentionBackend:
     sdpa_kind: str | None = None  # an SDPA backend (SDPBackend member name): compiled code gets it from outside
     op: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None  # custom ops compiled code may call
     min_capability: tuple[int, int] | None = None  # the CUDA compute capability it needs
+    # the same attention as tokens [B, L, H*D] without a copy, taking its gradient in any layout (custom ops, so
+    # compiled code calls it too); None: `heads_to_tokens` over the [B, H, L, D] output
+    tokens: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None
 
     @property
     def compilable(self) -> bool:
@@ -180,6 +183,7 @@ BACKENDS: dict[str, AttentionBackend] = {
             requires=attention_fa4.MODULE,
             op=attention_fa4.cudnn_fa4,
             min_capability=attention_fa4.MIN_CAPABILITY,
+            tokens=attention_fa4.cudnn_fa4_tokens,
             note="cuDNN's forward, FlashAttention-4's backward (flash-attn-4)",
         ),
     )
@@ -297,6 +301,37 @@ def _fwd_bwd(run, q, k, v, go, mask):
     return out, dq, dk, dv
 
 
+class _WideGradient(torch.autograd.Function):
+    """Identity on tokens [B, L, C] whose backward hands on the gradient as a column slice of a [B, L, 2C] buffer: the
+    layout a single block's attention gradient has (a slice of linear2's input gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        wide = grad.new_zeros(*grad.shape[:-1], 2 * grad.shape[-1])
+        wide[..., : grad.shape[-1]] = grad
+        return wide[..., : grad.shape[-1]]
+
+
+def as_trained(backend: AttentionBackend) -> Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]:
+    """What the probe runs of a backend: what the blocks run, the attention as tokens [B, L, H*D] (the backend's own
+    tokens form, else `heads_to_tokens` over its output), seen as [B, H, L, D] again for the comparison, its gradient
+    arriving as a column slice of a wider buffer, the layout a single block's gradient has. Every backend is checked
+    in the layouts training hands it and timed with the conversions training adds to it."""
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        if backend.tokens is not None:
+            x = backend.tokens(q, k, v, mask)
+        else:
+            x = heads_to_tokens(backend.run(q, k, v, mask))
+        return _WideGradient.apply(x).unflatten(2, (q.shape[1], -1)).transpose(1, 2)
+
+    return run
+
+
 def _rel_err(got: Sequence[Tensor], want: Sequence[Tensor]) -> float:
     errs = [
         ((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() for g, w in zip(got, want, strict=True)
@@ -365,11 +400,12 @@ def _measure(shape, dtype, dev: torch.device, with_mask: bool, backends, warmup:
             results.append(BackendResult(name, False, why))
             continue
         try:
-            err = _rel_err([t[head] for t in _fwd_bwd(backend.run, q, k, v, go, mask)], want)
+            trained = as_trained(backend)
+            err = _rel_err([t[head] for t in _fwd_bwd(trained, q, k, v, go, mask)], want)
             if not err <= tol:
                 results.append(BackendResult(name, False, f"wrong: max rel. error {err:.2e} > {tol:.2e}", err))
                 continue
-            run = functools.partial(_fwd_bwd, backend.run, q, k, v, go, mask)
+            run = functools.partial(_fwd_bwd, trained, q, k, v, go, mask)
             ms = timer(name, run) if timer else queued_ms(run, dev, warmup, reps)
             results.append(BackendResult(name, True, "", err, ms))
         except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend; the reason is reported
@@ -526,18 +562,31 @@ class AttentionDispatch:
         return self.backends.get(self.run_choice or "sdpa", BACKENDS["sdpa"]).backend_context()
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        _, fn = self._pick(q, k, mask)
+        return fn(q, k, v, mask)
+
+    def tokens(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The attention as tokens [B, L, H*D] (sd-scripts' "B H L D -> B L (H D)"), what the blocks call: the
+        backend's own tokens form where it has one (no copy), else `heads_to_tokens` over its output."""
+        backend, fn = self._pick(q, k, mask)
+        if backend.tokens is not None:
+            return backend.tokens(q, k, v, mask)
+        return heads_to_tokens(fn(q, k, v, mask))
+
+    def _pick(self, q: Tensor, k: Tensor, mask: Tensor | None) -> tuple[AttentionBackend, Callable]:
+        """The backend for this call and what to call of it."""
         if torch.compiler.is_compiling():
             backend = self.backends.get(self.run_choice or "sdpa")
             if backend is not None and backend.op is not None:
-                return backend.op(q, k, v, mask)  # custom ops, traced as they are
-            name = "sdpa"  # an SDPA backend is set around the compiled call: compiled_context
-        else:
-            name = self.choice.get(self.key(q, k, mask))
-            if name is None:
-                elsewhere = self.device is not None and q.device != self.device
-                cross = q.shape[2] != k.shape[2]
-                name = "sdpa" if elsewhere or cross else self.prepare(q.shape, q.dtype, q.device, mask is not None)
-        return self.backends.get(name, BACKENDS["sdpa"]).run(q, k, v, mask)
+                return backend, backend.op  # custom ops, traced as they are
+            return BACKENDS["sdpa"], BACKENDS["sdpa"].run  # an SDPA backend is set around the compiled call
+        name = self.choice.get(self.key(q, k, mask))
+        if name is None:
+            elsewhere = self.device is not None and q.device != self.device
+            cross = q.shape[2] != k.shape[2]
+            name = "sdpa" if elsewhere or cross else self.prepare(q.shape, q.dtype, q.device, mask is not None)
+        backend = self.backends.get(name, BACKENDS["sdpa"])
+        return backend, backend.run
 
 
 def describe(results: Sequence[BackendResult]) -> str:

@@ -11,8 +11,12 @@ Two custom ops, so that compiled blocks call them as they are and CUDA graphs re
   * `flux_kernels::cudnn_lse_attention(q, k, v) -> (out, lse)`: cuDNN's forward with its log-sum-exp;
   * `flux_kernels::fa4_attention_backward(dout, q, k, v, out, lse) -> (dq, dk, dv)`.
 Inputs are FLUX's [B, H, L, D]; FlashAttention-4 takes [B, L, H, D], which is a transposed view of the same memory,
-and writes the gradients through such views into contiguous [B, H, L, D] tensors. On the CPU (tests) both ops run
-the plain-PyTorch math of the same two steps (`reference_forward`, `reference_backward`).
+and writes the gradients through such views into contiguous [B, H, L, D] tensors. The output is [B, H, L, D] laid
+out token-major, [B, L, H, D] in memory (`token_major`), so that `cudnn_fa4_tokens`, the blocks' call, gets sd-scripts'
+"B H L D -> B L (H D)" as a view; cuDNN writes it so when q is so laid out, as the single blocks' q is. Its gradient
+goes to FlashAttention-4 in whatever layout it comes, where that has the alignment the kernels need (else it is
+copied to token-major). On the CPU (tests) both ops run the plain-PyTorch math of the same two steps
+(`reference_forward`, `reference_backward`).
 
 flash-attn-4 is imported at the first backward (its import takes seconds); nothing here imports it before. Its
 backward accumulates dq with atomics, so two runs of a step can differ in the last bits, as with FlashAttention-2.
@@ -55,21 +59,40 @@ def reference_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 # ---- the ops ----------------------------------------------------------------------------------------------------
 
 
+def token_major(t: Tensor) -> Tensor:
+    """[B, H, L, D] `t` laid out as [B, L, H, D] in memory, the tokens' order: `t` itself where it already is, else a
+    copy."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def fa4_layout(t: Tensor) -> Tensor:
+    """`t` where FlashAttention-4 takes it as it is (the last dimension contiguous, every other stride a non-zero
+    multiple of 16 bytes, the pointer 16-byte aligned: a column slice of a wider gradient qualifies), else
+    `token_major(t)`. A broadcast gradient (stride 0, from a loss such as `out.sum()`) is copied."""
+    align = 16 // t.element_size()
+    strides = t.stride()
+    if strides[-1] == 1 and all(s > 0 and s % align == 0 for s in strides[:-1]) and t.data_ptr() % 16 == 0:
+        return t
+    return token_major(t)
+
+
 @torch.library.custom_op("flux_kernels::cudnn_lse_attention", mutates_args=())
 def cudnn_lse_attention(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """[B, H, L, D] attention and its log-sum-exp [B, H, L]: cuDNN's forward on CUDA, the reference elsewhere."""
+    """[B, H, L, D] attention, token-major (`token_major`), and its log-sum-exp [B, H, L]: cuDNN's forward on CUDA,
+    the reference elsewhere."""
     if q.device.type != "cuda":
         out, lse = reference_forward(q, k, v)
-        return out.contiguous(), lse.contiguous()
+        return token_major(out), lse.contiguous()
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False)
-    out, lse = res[0], res[1]  # lse [B, H, L, 1]
-    return out.contiguous(), lse.reshape(q.shape[:3]).contiguous()
+    out, lse = res[0], res[1]  # out laid out as q is; lse [B, H, L, 1]
+    return token_major(out), lse.reshape(q.shape[:3]).contiguous()
 
 
 @cudnn_lse_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     B, H, L, _ = q.shape
-    return q.new_empty((B, H, L, v.shape[-1])), q.new_empty((B, H, L), dtype=torch.float32)
+    out = q.new_empty((B, L, H, v.shape[-1])).transpose(1, 2)
+    return out, q.new_empty((B, H, L), dtype=torch.float32)
 
 
 @torch.library.custom_op("flux_kernels::fa4_attention_backward", mutates_args=())
@@ -81,6 +104,7 @@ def fa4_attention_backward(
         return tuple(g.contiguous() for g in reference_backward(dout, q, k, v, out, lse))
     from flash_attn.cute.interface import _flash_attn_bwd
 
+    dout = fa4_layout(dout)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
     def tokens(x: Tensor) -> Tensor:  # [B, H, L, D] -> [B, L, H, D], the same memory
@@ -104,7 +128,7 @@ def _setup(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
-    return fa4_attention_backward(dout.contiguous(), q, k, v, out, lse)
+    return fa4_attention_backward(dout, q, k, v, out, lse)
 
 
 cudnn_lse_attention.register_autograd(_backward, setup_context=_setup)
@@ -120,3 +144,11 @@ def cudnn_fa4(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Te
         dtype = torch.get_autocast_dtype(kind)
         q, k, v = (t.to(dtype) for t in (q, k, v))
     return cudnn_lse_attention(q, k, v)[0]
+
+
+def cudnn_fa4_tokens(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """`cudnn_fa4` as tokens [B, L, H*D], sd-scripts' "B H L D -> B L (H D)": a view of the token-major output, where
+    other backends' output is copied (`flux_kernels.attention.heads_to_tokens`). Its gradient, [B, L, H*D] in
+    whatever layout the blocks' backward makes it (a column slice of linear2's input gradient in a single block),
+    reaches FlashAttention-4 as it is (`fa4_layout`)."""
+    return cudnn_fa4(q, k, v, mask).transpose(1, 2).flatten(2)

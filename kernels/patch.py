@@ -17,7 +17,8 @@ operations in sd-scripts' order; each fused step is swapped in only where its sw
     kernel even rounds the normalised value to the input dtype before rotating, as QKNorm's return does.
   * attention: `attention()` minus RoPE (done above): SDPA or another backend that the probe found to agree
     with the fp32 math reference, then "B H L D -> B L (H D)" as `flux_kernels.attention.heads_to_tokens`, which
-    hands the backend's backward a contiguous gradient (its docstring says why).
+    hands the backend's backward a contiguous gradient (its docstring says why), or as the backend's own tokens
+    form where it has one (`cudnn_fa4`: a view, the probe having checked it with a strided gradient).
   * gated_residual: `x + gate * y` with one rounding.
   * gated_modulate: in the double block, the residual update after attention and the modulated LayerNorm of
     its result that feeds the MLP, in one kernel (the residual is recomputed in backward, not kept).
@@ -107,6 +108,9 @@ class BlockOps:
         return reference.apply_rope(q, k, pe)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        tokens = getattr(self.attention, "tokens", None)  # AttentionDispatch: the backend's tokens form, if any
+        if tokens is not None:
+            return tokens(q, k, v, mask)
         if self.attention is not None:
             x = self.attention(q, k, v, mask)
         else:

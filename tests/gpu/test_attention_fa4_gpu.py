@@ -50,8 +50,31 @@ def test_as_close_to_fp32_as_cudnn_attention(shape):
     with sdpa_kernel(SDPBackend.MATH):
         want = _run(lambda *t: F.scaled_dot_product_attention(*(x.float() for x in t)), q, k, v, go.float())
     got, cudnn = _run(attention_fa4.cudnn_fa4, q, k, v, go), _run(_cudnn, q, k, v, go)
+    assert got[0].transpose(1, 2).is_contiguous()  # the output token-major
+    assert all(g.is_contiguous() for g in got[1:])
     for g, c, w in zip(got, cudnn, want, strict=True):
-        assert g.shape == w.shape and g.dtype == torch.bfloat16 and g.is_contiguous()
+        assert g.shape == w.shape and g.dtype == torch.bfloat16
+        assert _rel(g, w) <= 1.5 * _rel(c, w) + 1e-3
+
+
+@pytest.mark.parametrize("shape", [(1, 24, 4608, 128), (2, 3, 4544, 64)])
+def test_the_tokens_form_with_q_and_the_gradient_laid_out_as_a_single_block_has_them(shape):
+    """As the single blocks call it: q, k and v token-major (cuDNN then writes its output so, and the tokens are a view
+    of it), the gradient a column slice of a wider buffer (handed to FlashAttention-4 as it is); against fp32."""
+    B, H, L, D = shape
+    q, k, v, go = (attention_fa4.token_major(t) for t in _inputs(shape, seed=L + 1))
+    with sdpa_kernel(SDPBackend.MATH):
+        want = _run(lambda *t: F.scaled_dot_product_attention(*(x.float() for x in t)), q, k, v, go.float())
+    cudnn = _run(_cudnn, q, k, v, go)
+    wide = torch.zeros(B, L, 2 * H * D, device="cuda", dtype=torch.bfloat16)
+    wide[..., : H * D] = go.transpose(1, 2).flatten(2)
+    grad = wide[..., : H * D]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    tokens = attention_fa4.cudnn_fa4_tokens(*leaves)
+    assert tokens._base is not None  # a view of the op's output
+    tokens.backward(grad)
+    got = [tokens.detach().unflatten(2, (H, D)).transpose(1, 2)] + [t.grad for t in leaves]
+    for g, c, w in zip(got, cudnn, want, strict=True):
         assert _rel(g, w) <= 1.5 * _rel(c, w) + 1e-3
 
 

@@ -39,6 +39,77 @@ def test_the_ops_are_attention_and_its_gradient(shape, dtype, tol):
         assert g.shape == w.shape and g.dtype == w.dtype and max_rel_err(g, w) <= tol
 
 
+def _wide_slice(x):
+    """x's values as a column slice of a buffer twice as wide: the layout of a single block's attention gradient."""
+    wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    wide[..., : x.shape[-1]] = x
+    return wide[..., : x.shape[-1]]
+
+
+def test_the_output_is_token_major_so_the_tokens_form_is_a_view():
+    q, k, v, go = _qkv((2, 3, 11, 8), torch.float32)
+    out, _ = torch.ops.flux_kernels.cudnn_lse_attention(q, k, v)
+    assert out.shape == (2, 3, 11, 8) and out.transpose(1, 2).is_contiguous()
+    assert attention_fa4.token_major(out).data_ptr() == out.data_ptr()  # no copy
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    tokens = attention_fa4.cudnn_fa4_tokens(*leaves)
+    assert tokens.shape == (2, 11, 24) and tokens._base is not None  # a view, no copy
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attention.heads_to_tokens(F.scaled_dot_product_attention(*ref))
+    assert max_rel_err(tokens, want) < 1e-5
+    # the gradient in the layout a single block's backward makes (a column slice of a wider buffer)
+    g = _wide_slice(go.transpose(1, 2).flatten(2))
+    assert not g.is_contiguous()
+    tokens.backward(g)
+    want.backward(g.contiguous())
+    for got, w in zip(leaves, ref, strict=True):
+        assert max_rel_err(got.grad, w.grad) < 1e-5
+
+
+def test_flash_attention_4_gets_aligned_gradients_as_they_are_and_others_copied():
+    go = torch.randn(1, 7, 3 * 8, dtype=torch.bfloat16)
+    sliced = _wide_slice(go).unflatten(2, (3, 8)).transpose(1, 2)  # row stride 48 elements: aligned
+    assert attention_fa4.fa4_layout(sliced) is sliced
+    broadcast = torch.ones(()).to(torch.bfloat16).expand(1, 3, 7, 8)  # the gradient of out.sum()
+    copied = attention_fa4.fa4_layout(broadcast)
+    assert copied is not broadcast and copied.transpose(1, 2).is_contiguous() and torch.equal(copied, broadcast)
+    odd = torch.randn(1, 7, 3, 9, dtype=torch.bfloat16)[..., :8].transpose(1, 2)  # strides of 9 elements: 18 bytes
+    assert attention_fa4.fa4_layout(odd) is not odd and torch.equal(attention_fa4.fa4_layout(odd), odd)
+
+
+def test_the_probe_checks_a_tokens_form_with_the_gradient_layout_training_gives(tmp_path, monkeypatch):
+    """A tokens form whose backward reads the gradient as if it were contiguous is right for a contiguous gradient
+    and wrong for a column slice: the probe, which hands it the slice, rejects it."""
+
+    class AssumesContiguous(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.as_strided(grad.shape, torch.empty(grad.shape).stride())  # wrong unless contiguous
+
+    def careless_tokens(q, k, v, mask):
+        return AssumesContiguous.apply(attention_fa4.cudnn_fa4_tokens(q, k, v, mask))
+
+    q, k, v, go = _qkv((1, 2, 9, 8), torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    careless_tokens(*leaves, None).backward(go.transpose(1, 2).flatten(2))  # contiguous: right
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref).backward(go)
+    assert max_rel_err(leaves[0].grad, ref[0].grad) < 1e-5
+    monkeypatch.setattr(attention, "unavailable", lambda backend, dev: "")
+    fa4 = BACKENDS["cudnn_fa4"]
+    backends = {"good": fa4, "careless": AttentionBackend("careless", fa4.run, cuda_only=False, op=fa4.op,
+                                                          tokens=careless_tokens)}  # fmt: skip
+    results = {r.name: r for r in attention.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False,
+                                                            backends=backends, cache_path=tmp_path / "c.json",
+                                                            reps=1)}  # fmt: skip
+    assert results["good"].ok
+    assert not results["careless"].ok and results["careless"].error.startswith("wrong"), results["careless"]
+
+
 def test_the_log_sum_exp_is_the_softmax_statistic_flash_backwards_take():
     q, k, v, _ = _qkv((1, 2, 9, 8))
     out, lse = torch.ops.flux_kernels.cudnn_lse_attention(q, k, v)

@@ -195,8 +195,9 @@ def test_compiled_blocks_call_the_backend_the_probe_chose(fm, tmp_path, choice, 
 
 def test_compiled_blocks_with_cudnn_fa4_call_its_ops_and_train_as_with_sdpa(fm, tmp_path):
     """With `cudnn_fa4` as the run's choice the compiled blocks' forward graphs call its forward op and the backward
-    graphs its backward op (on the CPU both run their plain-PyTorch math), through FLUX's real blocks and
-    heads_to_tokens; the loss and the gradients are those of the same blocks on PyTorch's math backend."""
+    graphs its backward op (on the CPU both run their plain-PyTorch math), through FLUX's real blocks, its output
+    taken as tokens by a view where other backends' is copied by heads_to_tokens; the loss and the gradients are
+    those of the same blocks on PyTorch's math backend."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -225,8 +226,10 @@ def test_compiled_blocks_with_cudnn_fa4_call_its_ops_and_train_as_with_sdpa(fm, 
         return loss.detach(), [p.grad for p in model.img_in.parameters()], traced
 
     loss, grads, traced = run("cudnn_fa4")
-    want_loss, want_grads, _ = run("sdpa_math")
+    want_loss, want_grads, want_traced = run("sdpa_math")
     assert any("cudnn_lse_attention" in t for t in traced["fw"]), sorted(set(traced["fw"]))
+    assert not any("heads_to_tokens" in t for t in traced["fw"])
+    assert any("heads_to_tokens" in t for t in want_traced["fw"]), sorted(set(want_traced["fw"]))
     assert any("fa4_attention_backward" in t for t in traced["bw"]), sorted(set(traced["bw"]))
     assert not any("scaled_dot_product" in t for t in traced["fw"])
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
