@@ -133,8 +133,9 @@ def gradient_layout_check(
 ) -> CheckResult:
     """Whether a backend's backward stays right when, at one shape, the incoming gradient comes in another layout
     than in its first backward (torch 2.11 + cuDNN 9.19 keep the first: wrong q/k/v gradients, silently).
-    flux-train's blocks always hand the attention one layout (flux_kernels.attention.heads_to_tokens), so a warning
-    here is about other code on this stack, not flux-train's training."""
+    flux-train's blocks always hand an SDPA backend's backward one layout (flux_kernels.attention.heads_to_tokens;
+    `cudnn_fa4` uses FlashAttention-4's backward, which takes any), so a warning here is about other code on this
+    stack, not flux-train's training."""
     check = f"attention: {name} gradient layout"
     try:
         import torch

@@ -356,40 +356,86 @@ def probe_attention(
     math backend in fp32, time the correct ones; return all results, fastest correct first (`chosen`).
     Each backend is timed with `reps` calls queued back to back (`queued_ms`), as a training step runs them: a
     backend's host code overlaps the device's work. `timer(name, fn) -> ms` replaces that timing (tests use it to
-    be independent of load)."""
+    be independent of load). A verdict read from the cache is returned once its choice passes the same check again
+    here (`_recheck`, not timed); where it fails, every backend is probed afresh."""
     dev = as_device_info(device).torch_device
     backends = BACKENDS if backends is None else backends
     excluded = {n.strip() for n in os.environ.get(EXCLUDE_ENV, "").split(",") if n.strip()}
     backends = {n: b for n, b in backends.items() if n not in excluded}
     path = Path(cache_path) if cache_path else default_cache_path()
     key = cache_key(tuple(shape), dtype, device, with_mask, backends=list(backends))
+    rng = [dev] if dev.type == "cuda" else []
     if use_cache:
         hit = _read_cache(path).get(key)
         if hit and all(r.get("name") in backends for r in hit):
-            return [BackendResult(**r) for r in hit]
+            cached = [BackendResult(**r) for r in hit]
+            with torch.random.fork_rng(devices=rng):
+                why = _recheck(cached, shape, dtype, dev, with_mask, backends)
+            if not why:
+                return cached
+            log.warning("attention probe: the cached choice %s failed its check at %s (%s); probing again",
+                        chosen(cached), tuple(shape), why)  # fmt: skip
     # The random streams are put back as they were. The probe runs after the run is seeded, at its first forward, and
     # only where the verdict is not cached: whatever it draws from a generator (a fused attention op's dropout state,
     # say) would give a run that probes other noise and timesteps than the same run with the verdict cached. (On an
     # H100 at vram80, same seed, a run that probed logged step 1's loss 1.80 and the next one 3.03; with this, a run
     # that probed and two that read its verdict logged 1.79547, 1.79547 and 1.79554.)
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+    with torch.random.fork_rng(devices=rng):
         results = _measure(shape, dtype, dev, with_mask, backends, warmup, reps, timer)
     if use_cache:
         _write_cache(path, key, results)
     return results
 
 
+class _Truth:
+    """The probe's inputs at a shape and the fp32 truth to check a backend against, with the tolerance.
+
+    Heads are independent, so the fp32 truth is computed for the first REF_HEADS heads only: the math backend at
+    24 x 4608^2 in fp32 would need several GB, too much to borrow on a 24 GB card mid-setup."""
+
+    def __init__(self, shape, dtype, dev: torch.device, with_mask: bool):
+        self.inputs = _inputs(shape, dtype, dev, with_mask)
+        q, k, v, go, mask = self.inputs
+        self.head = (slice(None), slice(0, min(REF_HEADS, shape[1])))
+        mask_h = None if mask is None else mask[self.head]
+        math = BACKENDS["sdpa_math"].run
+        self.want = _fwd_bwd(math, *(t[self.head].float() for t in (q, k, v, go)), mask_h)
+        base = _rel_err(_fwd_bwd(math, *(t[self.head] for t in (q, k, v, go)), mask_h), self.want)
+        self.tol = max(TOLERANCE.get(dtype, 2e-2), 3 * base)
+
+    def error(self, run: Callable) -> float:
+        """`run`'s (as_trained's) largest relative error, output and gradients, against the truth."""
+        return _rel_err([t[self.head] for t in _fwd_bwd(run, *self.inputs)], self.want)
+
+    def wrong(self, err: float) -> str:
+        return "" if err <= self.tol else f"wrong: max rel. error {err:.2e} > {self.tol:.2e}"
+
+
+def _recheck(cached: Sequence[BackendResult], shape, dtype, dev: torch.device, with_mask: bool, backends) -> str:
+    """Why a cached verdict's choice fails here ('' where it passes): checked against the fp32 truth at the run's
+    shape, not timed. A verdict read from disk says the choice was right in the process that probed; kernels come
+    from disk caches too (FlashAttention-4 keeps its compiled kernels, by a fingerprint of its own sources), and
+    this runs them against the truth in the process that trains with them."""
+    name = chosen(cached)
+    if name is None:
+        return ""
+    backend = backends[name]
+    if why := unavailable(backend, dev):
+        return why
+    try:
+        truth = _Truth(shape, dtype, dev, with_mask)
+        return truth.wrong(truth.error(as_trained(backend)))
+    except Exception as e:  # noqa: BLE001 - a failure of the cached choice is a reason to probe again
+        return _failure(e)
+
+
+def _failure(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
 def _measure(shape, dtype, dev: torch.device, with_mask: bool, backends, warmup: int, reps: int, timer):
     """probe_attention's measurement: every backend's error against the fp32 truth and the correct ones' time."""
-    q, k, v, go, mask = _inputs(shape, dtype, dev, with_mask)
-    # Heads are independent, so the fp32 truth is computed for the first REF_HEADS heads only: the math backend
-    # at 24 x 4608^2 in fp32 would need several GB, too much to borrow on a 24 GB card mid-setup.
-    h = min(REF_HEADS, shape[1])
-    head = (slice(None), slice(0, h))
-    mask_h = None if mask is None else mask[head]
-    want = _fwd_bwd(BACKENDS["sdpa_math"].run, *(t[head].float() for t in (q, k, v, go)), mask_h)
-    base = _rel_err(_fwd_bwd(BACKENDS["sdpa_math"].run, *(t[head] for t in (q, k, v, go)), mask_h), want)
-    tol = max(TOLERANCE.get(dtype, 2e-2), 3 * base)
+    truth = _Truth(shape, dtype, dev, with_mask)
     results = []
     for name, backend in backends.items():
         why = unavailable(backend, dev)
@@ -401,15 +447,15 @@ def _measure(shape, dtype, dev: torch.device, with_mask: bool, backends, warmup:
             continue
         try:
             trained = as_trained(backend)
-            err = _rel_err([t[head] for t in _fwd_bwd(trained, q, k, v, go, mask)], want)
-            if not err <= tol:
-                results.append(BackendResult(name, False, f"wrong: max rel. error {err:.2e} > {tol:.2e}", err))
+            err = truth.error(trained)
+            if wrong := truth.wrong(err):
+                results.append(BackendResult(name, False, wrong, err))
                 continue
-            run = functools.partial(_fwd_bwd, trained, q, k, v, go, mask)
+            run = functools.partial(_fwd_bwd, trained, *truth.inputs)
             ms = timer(name, run) if timer else queued_ms(run, dev, warmup, reps)
             results.append(BackendResult(name, True, "", err, ms))
         except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend; the reason is reported
-            results.append(BackendResult(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+            results.append(BackendResult(name, False, _failure(e)))
     results.sort(key=lambda r: (not r.ok, r.ms_fwd_bwd if r.ok else 0.0))
     if results and results[0].ok:
         results[0] = BackendResult(**{**asdict(results[0]), "chosen": True})

@@ -90,6 +90,12 @@ def test_the_probe_leaves_the_runs_random_streams_as_they_were(tmp_path):
     results = probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends, use_cache=False, timer=fake_timer)
     assert {r.name for r in results if r.ok} == {"math", "draws"}
     assert torch.equal(torch.rand(4), want)
+    # a verdict from the cache: its choice is run again (checked, not timed), with the streams put back the same way
+    only, path = {"draws": backends["draws"]}, tmp_path / "c.json"
+    probe_attention(SHAPE, torch.float32, "cpu", False, backends=only, cache_path=path, timer=fake_timer)
+    torch.manual_seed(7)
+    assert chosen(probe_attention(SHAPE, torch.float32, "cpu", False, backends=only, cache_path=path)) == "draws"
+    assert torch.equal(torch.rand(4), want)
 
 
 def test_real_backends_on_cpu(tmp_path):
@@ -101,19 +107,59 @@ def test_real_backends_on_cpu(tmp_path):
     assert chosen(results) in ("sdpa", "sdpa_math", "sdpa_flash")
 
 
-def test_results_are_cached_per_key(tmp_path, monkeypatch):
+def _with_calls_counted(backends):
+    """The backends with each call of theirs counted by name."""
+    calls = {}
+
+    def counted(name, run):
+        def call(*a):
+            calls[name] = calls.get(name, 0) + 1
+            return run(*a)
+
+        return call
+
+    wrapped = {n: AttentionBackend(n, counted(n, b.run), cuda_only=b.cuda_only, trainable=b.trainable, note=b.note)
+               for n, b in backends.items()}  # fmt: skip
+    return wrapped, calls
+
+
+def test_results_are_cached_per_key_and_the_cached_choice_is_checked_again(tmp_path):
     path = tmp_path / "cache.json"
-    first = probe_attention(SHAPE, torch.float32, "cpu", False, backends=FAKES, cache_path=path)
+    backends, calls = _with_calls_counted(FAKES)
+    first = probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends, cache_path=path, timer=fake_timer)
     key = cache_key(SHAPE, torch.float32, "cpu", False, backends=list(FAKES))
-    assert json.loads(path.read_text())[key][0]["chosen"]
+    assert json.loads(path.read_text())[key][0]["chosen"] and chosen(first) == "math"
+    assert calls["slow_math"] >= 2  # checked, then timed
 
-    def boom(*a, **k):
-        raise AssertionError("probed again instead of reading the cache")
+    def no_timing(name, run):
+        raise AssertionError("timed again instead of reading the cache")
 
-    monkeypatch.setattr(attention, "_fwd_bwd", boom)
-    assert probe_attention(SHAPE, torch.float32, "cpu", False, backends=FAKES, cache_path=path) == first
-    with pytest.raises(AssertionError, match="probed again"):
-        probe_attention((1, 2, 35, 16), torch.float32, "cpu", False, backends=FAKES, cache_path=path)
+    calls.clear()
+    assert probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends, cache_path=path,
+                           timer=no_timing) == first  # fmt: skip
+    assert calls == {"math": 1}  # the cached choice, run once against the truth; nothing else
+    timed = []
+    probe_attention((1, 2, 35, 16), torch.float32, "cpu", False, backends=backends, cache_path=path,
+                    timer=lambda name, run: timed.append(name) or FAKE_MS[name])  # fmt: skip
+    assert sorted(timed) == ["math", "slow_math"]  # another shape: probed afresh
+
+
+def test_a_cached_choice_that_is_wrong_here_is_probed_again(tmp_path, caplog):
+    """The verdict on disk chose a backend that now gives wrong results under the same name and versions (a kernel
+    loaded from a stale disk cache, say): the check rejects it, every backend is probed again, and the cache is
+    rewritten."""
+    path = tmp_path / "cache.json"
+    backends = {"math": FAKES["math"], "slow_math": FAKES["slow_math"]}
+    assert chosen(probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends, cache_path=path,
+                                  timer=fake_timer)) == "math"  # fmt: skip
+    broken = {"math": AttentionBackend("math", _wrong, cuda_only=False), "slow_math": FAKES["slow_math"]}
+    with caplog.at_level("WARNING", logger=attention.__name__):
+        results = probe_attention(SHAPE, torch.float32, "cpu", False, backends=broken, cache_path=path,
+                                  timer=fake_timer)  # fmt: skip
+    assert chosen(results) == "slow_math"
+    assert "the cached choice math failed its check" in caplog.text and "wrong: max rel. error" in caplog.text
+    key = cache_key(SHAPE, torch.float32, "cpu", False, backends=list(broken))
+    assert [r["name"] for r in json.loads(path.read_text())[key] if r["chosen"]] == ["slow_math"]
 
 
 def test_cache_key_changes_with_versions_device_and_shape():
