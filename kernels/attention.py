@@ -625,12 +625,13 @@ class AttentionDispatch:
             backend = self.backends.get(self.run_choice or "sdpa")
             if backend is not None and backend.op is not None:
                 return backend, backend.op  # custom ops, traced as they are
-            return BACKENDS["sdpa"], BACKENDS["sdpa"].run  # an SDPA backend is set around the compiled call
-        name = self.choice.get(self.key(q, k, mask))
-        if name is None:
-            elsewhere = self.device is not None and q.device != self.device
-            cross = q.shape[2] != k.shape[2]
-            name = "sdpa" if elsewhere or cross else self.prepare(q.shape, q.dtype, q.device, mask is not None)
+            name = "sdpa"  # an SDPA backend is set around the compiled call: compiled_context
+        else:
+            name = self.choice.get(self.key(q, k, mask))
+            if name is None:
+                elsewhere = self.device is not None and q.device != self.device
+                cross = q.shape[2] != k.shape[2]
+                name = "sdpa" if elsewhere or cross else self.prepare(q.shape, q.dtype, q.device, mask is not None)
         backend = self.backends.get(name, BACKENDS["sdpa"])
         return backend, backend.run
 
