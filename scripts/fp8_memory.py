@@ -87,12 +87,20 @@ def main() -> int:
                 out = model.double_blocks[0](img, txt, vec, pe)
             del out
             kinds = Counter(v[1] for v in seen.values())
-            row = {"name": f"{label}{'_ckpt' if ckpt else ''}", "held_gib": held / 2**30, "peak_gib": peak / 2**30,
-                   "ms": ms, "saved_one_block_mib": sum(v[0] for v in seen.values()) / 2**20,
-                   "saved_kinds": dict(kinds.most_common(8))}
+            row = {
+                "name": f"{label}{'_ckpt' if ckpt else ''}",
+                "held_gib": held / 2**30,
+                "peak_gib": peak / 2**30,
+                "ms": ms,
+                "saved_one_block_mib": sum(v[0] for v in seen.values()) / 2**20,
+                "saved_kinds": dict(kinds.most_common(8)),
+            }
             rows.append(row)
-            print(f"{row['name']:<24} held {row['held_gib']:6.2f} GiB  peak {row['peak_gib']:6.2f} GiB  {ms:8.1f} ms  "
-                  f"one block saves {row['saved_one_block_mib']:8.1f} MiB: {row['saved_kinds']}", flush=True)
+            print(
+                f"{row['name']:<24} held {row['held_gib']:6.2f} GiB  peak {row['peak_gib']:6.2f} GiB  {ms:8.1f} ms  "
+                f"one block saves {row['saved_one_block_mib']:8.1f} MiB: {row['saved_kinds']}",
+                flush=True,
+            )
     patch.remove_kernels(model)
     if ns.out:
         with open(ns.out, "w") as f:

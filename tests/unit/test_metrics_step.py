@@ -81,6 +81,7 @@ def test_disabled_does_nothing():
 
 def test_cuda_path_reads_allocator_resets_peak_and_never_syncs(monkeypatch):
     calls = []
+
     def stats(dev):  # the allocator's nested dict, as torch.cuda.memory_stats_as_nested_dict gives it
         calls.append(("stats", dev))
         return {
