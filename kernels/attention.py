@@ -17,6 +17,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -565,13 +566,14 @@ class AttentionDispatch:
 
     def prepare(self, shape: Sequence[int], dtype: torch.dtype, device, with_mask: bool) -> str:
         dev = as_device_info(device).torch_device
+        start = time.perf_counter()
         results = _isolated(
             _probe_on, dev, tuple(shape), dtype, dev, with_mask, backends=self.backends, cache_path=self.cache_path
         )
+        took = time.perf_counter() - start  # a cached verdict's: its choice's check (and first call) alone
         name = chosen(results) or "sdpa"
-        log.info(
-            "attention %s %s mask=%s: %s (%s)", tuple(shape), dtype, with_mask, name, describe(results) or "nothing ran"
-        )
+        log.info("attention %s %s mask=%s: %s (%s; %.1f s)", tuple(shape), dtype, with_mask, name,
+                 describe(results) or "nothing ran", took)  # fmt: skip
         self.choice[self.shape_key(shape, dtype, dev, with_mask)] = name
         return name
 

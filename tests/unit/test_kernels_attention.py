@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import pytest
 import torch
@@ -142,6 +143,16 @@ def test_results_are_cached_per_key_and_the_cached_choice_is_checked_again(tmp_p
     probe_attention((1, 2, 35, 16), torch.float32, "cpu", False, backends=backends, cache_path=path,
                     timer=lambda name, run: timed.append(name) or FAKE_MS[name])  # fmt: skip
     assert sorted(timed) == ["math", "slow_math"]  # another shape: probed afresh
+
+
+def test_the_verdict_line_says_how_long_the_probe_took(tmp_path, caplog):
+    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends={"math": FAKES["math"]})
+    with caplog.at_level("INFO", logger="flux_kernels.attention"):
+        dispatch.prepare(SHAPE, torch.float32, "cpu", False)
+        dispatch.prepare(SHAPE, torch.float32, "cpu", False)  # the cached verdict, checked again
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(re.search(r"mask=False: math \(fwd\+bwd: math [\d.]+ ms; \d+\.\d s\)$", x)
+                                   for x in lines), lines  # fmt: skip
 
 
 def test_a_cached_choice_that_is_wrong_here_is_probed_again(tmp_path, caplog):
