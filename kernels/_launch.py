@@ -318,18 +318,22 @@ def _gated_modulate_bwd_fake(dres, dout, x, gate, y, scale, mean, rstd, need_dga
 
 def single_qkv_bwd(
     dq: Tensor, dk: Tensor, dv: Tensor, lin1: Tensor, rq: Tensor, rk: Tensor, q_scale: Tensor, k_scale: Tensor,
-    pe: Tensor, out: Tensor,
+    pe: Tensor, out: Tensor, d_act: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Writes the first 3 * H * D columns of `out`, shaped like linear1's output [B, L, 3 * H * D + M]: linear1's
     gradient from q, k, v's ([B, H, L, D]), given the forward's 1/rms of q and k ([B, H, L, 1], fp32). The M
-    columns after them are the caller's (single_qkv writes GELU's gradient there, in place, which inductor fuses
-    with whatever produces that gradient, straight into the same buffer). As a custom op with a flexible layout,
-    it reads the strides of what it gets at run time."""
+    columns after them: GELU's (tanh) gradient from `d_act` ([B, L, M], the MLP activation's gradient) where it is
+    given, else the caller's (single_qkv writes GELU's gradient there, in place, which inductor fuses with whatever
+    produces that gradient, straight into the same buffer). As a custom op with a flexible layout, it reads the
+    strides of what it gets at run time."""
     if out.shape != lin1.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be shaped {tuple(lin1.shape)} with unit column stride, got {out.stride()}")
     dq, dk, dv, lin1 = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv, lin1))
     B, L, W = lin1.shape
     _, H, _, D = dq.shape
+    width = 3 * H * D
+    if d_act is not None and d_act.shape != (B, L, W - width):
+        raise ValueError(f"d_act must be shaped {(B, L, W - width)}, got {tuple(d_act.shape)}")
     if not (B and L):
         return
     spe_b = _pe_batch_stride(pe)
@@ -342,9 +346,23 @@ def single_qkv_bwd(
         lin1.stride(0), lin1.stride(1), out.stride(0), out.stride(1), spe_b, pe.stride(2),
         D=D, BLOCK_T=bt, BLOCK_H=bh, RTNE=_RTNE, num_warps=warps,
     )  # fmt: skip
+    if d_act is not None and W > width:
+        _gelu_bwd(d_act if d_act.stride(-1) == 1 else d_act.contiguous(), lin1[..., width:], out[..., width:])
 
 
-def _single_qkv_bwd_fake(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, out):
+GELU_TILE = (4, 1024, 8)  # tokens, columns, warps per program of gelu_bwd: 16 elements a thread
+
+
+def _gelu_bwd(d_act: Tensor, x: Tensor, out: Tensor) -> None:
+    B, L, M = x.shape
+    bt, bm, warps = GELU_TILE
+    ts.gelu_bwd[(triton.cdiv(L, bt), triton.cdiv(M, bm), B)](
+        d_act, x, out, L, M, d_act.stride(0), d_act.stride(1), x.stride(0), x.stride(1), out.stride(0),
+        out.stride(1), BLOCK_T=bt, BLOCK_M=bm, RTNE=_RTNE, num_warps=warps,
+    )  # fmt: skip
+
+
+def _single_qkv_bwd_fake(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, out, d_act=None):
     return None
 
 

@@ -47,6 +47,7 @@ from flux_kernels import lora_norms
 
 ATTR = "_flux_lora_fold"  # on a folded LoRA module: its _Fold; on the model: (hook handle, [_Fold])
 BUFFER = "_flux_lora_fold_wb"  # on a folded Linear: the [N, K + r] or [N + r, K] buffer, once re-homed
+DOWN = "_flux_lora_fold_down"  # on a mirror-folded Linear: True (its input gradient is one GEMM, not a sum of two)
 WIDE = 6  # fold B where out_features >= WIDE * in_features (FLUX: the single blocks' linear1, 3072 -> 21504)
 WIDE_IN = 4  # fold A where in_features >= WIDE_IN * out_features (FLUX: linear2, 15360 -> 3072; mlp.2, 12288 -> 3072)
 FOLDABLE = f"out >= {WIDE}x in or in >= {WIDE_IN}x out"  # the layers folded, as messages name them
@@ -256,6 +257,8 @@ def install(model: nn.Module) -> int:
         fold = _Fold(linear, lora, linear.__dict__["forward"])
         lora.__dict__[ATTR] = fold
         linear.forward = types.MethodType(_fold_forward, lora)
+        if fold.side == "down":
+            linear.__dict__[DOWN] = True
         folds.append(fold)
     previous = model.__dict__.get(ATTR)
     if previous is not None:
@@ -273,6 +276,11 @@ def sides(model: nn.Module) -> dict[str, int]:
     return {k: sum(f.side == k for f in folds) for k in ("up", "down")}
 
 
+def folded_down(linear: nn.Module) -> bool:
+    """Whether this Linear's LoRA is mirror-folded (A below W), so that its input gradient comes out of one GEMM."""
+    return getattr(linear, DOWN, False) is True
+
+
 def uninstall(model: nn.Module) -> int:
     """Give each folded Linear its previous forward back (a re-homed weight stays a view of its buffer: same values)."""
     state = model.__dict__.pop(ATTR, None)
@@ -282,5 +290,6 @@ def uninstall(model: nn.Module) -> int:
     handle.remove()
     for f in folds:
         f.linear.forward = f.previous
+        f.linear.__dict__.pop(DOWN, None)
         f.lora.__dict__.pop(ATTR, None)
     return len(folds)

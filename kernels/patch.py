@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flux_kernels import fast, reference
+from flux_kernels import fast, lora_fold, reference
 from flux_kernels.attention import heads_to_tokens
 from flux_kernels.single_qkv import double_qkv, single_qkv
 
@@ -163,8 +163,10 @@ def _single_forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask
     lin1 = self.linear1(x_mod)
     if ops.single_qkv and not ops.qk_norm_rope and _gelu_tanh(self.mlp_act):
         norm = self.norm
+        # GELU's gradient in the Triton kernel too where it comes out of one GEMM (linear2 mirror-folded)
         q, k, v, act = single_qkv(lin1, norm.query_norm.scale, norm.key_norm.scale, pe, self.num_heads,
-                                  3 * self.hidden_size, triton_bwd=not _checkpointed(self))  # fmt: skip
+                                  3 * self.hidden_size, triton_bwd=not _checkpointed(self),
+                                  gelu_in_kernel=lora_fold.folded_down(self.linear2))  # fmt: skip
     else:
         qkv, mlp = torch.split(lin1, [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
         q, k, v = reference.heads(qkv, self.num_heads)

@@ -467,7 +467,8 @@ REGISTRY: dict[str, KernelSpec] = {
             compile_applies,
             functools.partial(patch.install_block_op, op="single_qkv"),
             reference=single_qkv.reference_single_qkv,
-            fast=single_qkv.single_qkv,
+            # GELU's gradient in the kernel too (what lora_fold's mirror-folded linear2 gets): the most of our code
+            fast=functools.partial(single_qkv.single_qkv, gelu_in_kernel=True),
             example=single_qkv_example,
         ),
         KernelSpec(

@@ -30,6 +30,12 @@ in the order new / old / old / new, the Triton one measured 0.3846 / 0.3853 s/st
 16.7-16.8 against 16.4 GiB (not profiled). With GELU's part in the kernel's buffer, forced on there: 0.3749
 against 0.3733 (forced first; within the run order's effect), card peak 16.5 against 16.4: no gain, so no change.
 
+That sum is gone where lora_fold mirror-folds linear2 (`vram80`'s default): GELU's incoming gradient is then one
+GEMM's output, and inductor's pass wrote the buffer's full width (q, k, v's columns copied from the fresh buffer,
+then written again by the kernel). There `gelu_in_kernel` hands that gradient to the custom op, whose second Triton
+kernel writes only the MLP columns: 97.4 against 168.5 us a block, device busy 326.5 against 329.8 ms a step,
+0.3369 / 0.3342 against 0.3398 / 0.3391 s/step (H200, vram80 auto, n o o n).
+
 Used by `flux_kernels.patch` in the single blocks when the `single_qkv` switch is on and the block is what it
 expects (GELU tanh, frozen norm scales); otherwise the block runs sd-scripts' ops.
 
@@ -119,17 +125,21 @@ def _triton_backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, d_acts) -> list[Te
     for lin, q_scale, k_scale, rq, rk in _groups(saved, 5):
         B, L, W = lin.shape
         grad = torch.empty((B, L, W), dtype=lin.dtype, device=lin.device)
-        if W > ctx.width:
+        d_act = next(d_acts) if W > ctx.width else None
+        if d_act is not None and not ctx.gelu_in_kernel:
             # GELU's part first, in torch ops: inductor fuses it with what makes d_act (in a LoRA run, the sum of
             # the frozen and the LoRA input gradients of linear2) in one pass over the buffer's full width (its
             # slice_scatter on a fresh buffer), and the kernel then writes q, k, v's columns in place. After the
             # kernel, the same assignment would make inductor copy the kernel's columns into a new buffer; an
             # as_strided view avoided that, but functionalization bans a mutation through as_strided on a view
             # chain, and one H100 compile hit it
-            d_gelu = torch.ops.aten.gelu_backward(next(d_acts), lin[..., ctx.width :], approximate="tanh")
-            grad[..., ctx.width :] = d_gelu
+            grad[..., ctx.width :] = torch.ops.aten.gelu_backward(d_act, lin[..., ctx.width :], approximate="tanh")
+            d_act = None
+        # with gelu_in_kernel, the kernel writes GELU's columns too: d_act is one GEMM's output there (linear2
+        # mirror-folded), so no sum is left for inductor to fuse, and its pass wrote the buffer's full width
         qkv_grads = (_rows(d, start, L) for d in (dq, dk, dv))
-        fast._kernel("single_qkv_bwd", lin)(*qkv_grads, lin, rq, rk, q_scale, k_scale, _rows(pe, start, L), grad)
+        kernel = fast._kernel("single_qkv_bwd", lin)
+        kernel(*qkv_grads, lin, rq, rk, q_scale, k_scale, _rows(pe, start, L), grad, d_act)
         grads.append(grad)
         start += L
     return grads
@@ -162,7 +172,7 @@ class _QKV(torch.autograd.Function):
     M columns after its qkv (the single block's MLP input), their GELU."""
 
     @staticmethod
-    def forward(ctx, pe: Tensor, num_heads: int, width: int, triton_bwd: bool, *streams: Tensor):
+    def forward(ctx, pe: Tensor, num_heads: int, width: int, triton_bwd: bool, gelu_in_kernel: bool, *streams: Tensor):
         qs, ks, vs, acts, segments, saved = [], [], [], [], [], []
         for lin, q_scale, k_scale in _groups(streams, 3):
             q, k, v = reference.heads(lin[..., :width], num_heads)
@@ -182,24 +192,27 @@ class _QKV(torch.autograd.Function):
                 saved[i + 1 : i + 3] = (fast._scale(s).contiguous() for s in saved[i + 1 : i + 3])
             pe = fast._pe_fp32(pe)
         ctx.save_for_backward(pe, *saved)
-        ctx.num_heads, ctx.width = num_heads, width
+        ctx.num_heads, ctx.width, ctx.gelu_in_kernel = num_heads, width, gelu_in_kernel
         return q, k, v, *acts
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, *d_acts: Tensor):
         grads = (_triton_backward if ctx.triton else _torch_backward)(ctx, dq, dk, dv, d_acts)
-        return None, None, None, None, *(g for grad in grads for g in (grad, None, None))
+        return None, None, None, None, None, *(g for grad in grads for g in (grad, None, None))
 
 
 def single_qkv(
-    lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int, triton_bwd: bool = True
-):
+    lin1: Tensor, q_scale: Tensor, k_scale: Tensor, pe: Tensor, num_heads: int, width: int, triton_bwd: bool = True,
+    gelu_in_kernel: bool = False,
+):  # fmt: skip
     """`reference_single_qkv` with the written-out backward. The norm scales are taken as constants: with a scale
     that needs a gradient (a run training the norms) this is the reference itself. `triton_bwd=False` keeps the
-    torch backward where Triton could run (checkpointed blocks, where the Triton one measured slower)."""
+    torch backward where Triton could run (checkpointed blocks, where the Triton one measured slower).
+    `gelu_in_kernel` has the Triton backward write GELU's gradient too, for blocks whose GELU gradient comes out of
+    one GEMM (linear2 mirror-folded: `lora_fold`); elsewhere inductor fuses it with the sum that makes it."""
     if q_scale.requires_grad or k_scale.requires_grad:
         return reference_single_qkv(lin1, q_scale, k_scale, pe, num_heads, width)
-    return _QKV.apply(pe, num_heads, width, triton_bwd, lin1, q_scale, k_scale)
+    return _QKV.apply(pe, num_heads, width, triton_bwd, gelu_in_kernel, lin1, q_scale, k_scale)
 
 
 def reference_double_qkv(
@@ -224,4 +237,4 @@ def double_qkv(
     if any(s.requires_grad for s in scales) or txt_qkv.shape[-1] != img_qkv.shape[-1]:
         return reference_double_qkv(txt_qkv, *scales[:2], img_qkv, *scales[2:], pe, num_heads)
     width = txt_qkv.shape[-1]
-    return _QKV.apply(pe, num_heads, width, True, txt_qkv, *scales[:2], img_qkv, *scales[2:])
+    return _QKV.apply(pe, num_heads, width, True, False, txt_qkv, *scales[:2], img_qkv, *scales[2:])

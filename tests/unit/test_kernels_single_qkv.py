@@ -50,11 +50,13 @@ def outs_and_grads(fn, args, seed=1):
     return [o.detach() for o in outs], torch.autograd.grad(outs, wrt, ups)
 
 
+@pytest.mark.parametrize("gelu_in_kernel", [False, True], ids=["gelu_torch", "gelu_kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [dict(), dict(B=1, H=2, D=64, L=5, mlp=8)], ids=["flux_head", "odd"])
-def test_forward_is_sd_scripts_op_for_op_and_the_backward_agrees(backward, dtype, shape):
+def test_forward_is_sd_scripts_op_for_op_and_the_backward_agrees(backward, dtype, shape, gelu_in_kernel):
     args = inputs(dtype, **shape)
-    (want, dwant), (got, dgot) = outs_and_grads(reference_single_qkv, args), outs_and_grads(single_qkv.single_qkv, args)
+    fast_fn = functools.partial(single_qkv.single_qkv, gelu_in_kernel=gelu_in_kernel)
+    (want, dwant), (got, dgot) = outs_and_grads(reference_single_qkv, args), outs_and_grads(fast_fn, args)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     (g,), (w,) = dgot, dwant
     assert g.shape == w.shape and g.dtype == w.dtype
@@ -116,8 +118,8 @@ def test_the_probe_accepts_it_and_rejects_a_wrong_backward(backward, monkeypatch
         launchers, _ = fast._ops_lib()
         original = launchers.single_qkv_bwd
 
-        def scales_swapped(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, out):
-            return original(dq, dk, dv, lin1, rq, rk, k_scale, q_scale, pe, out)
+        def scales_swapped(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, out, d_act=None):
+            return original(dq, dk, dv, lin1, rq, rk, k_scale, q_scale, pe, out, d_act)
 
         monkeypatch.setattr(launchers, "single_qkv_bwd", scales_swapped)
     result = registry.probe(spec, "cpu")
@@ -147,6 +149,51 @@ def test_the_triton_backward_reads_the_strides_it_gets(monkeypatch):
         want = torch.autograd.grad(outs[:3], x, grads)[0]
     assert got.shape == want.shape
     assert reference.max_rel_err(got[..., :width], want[..., :width]) <= TOL[torch.float32]
+
+
+def test_a_wrong_gelu_gradient_in_the_kernel_fails_the_probe(monkeypatch):
+    """The probe runs single_qkv with GELU's gradient in the kernel: a kernel that drops GELU's tanh term is caught."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = registry.REGISTRY["single_qkv"]
+    assert registry.probe(spec, "cpu").ok
+    from flux_kernels import _launch
+
+    def half_derivative(d_act, x, out):  # 0.5 * (1 + tanh(.)) only: the x * sech² part forgotten
+        inner = 0.7978845608028654 * (x.float() + 0.044715 * x.float() ** 3)
+        out.copy_(d_act.float() * 0.5 * (1 + torch.tanh(inner)))
+
+    monkeypatch.setattr(_launch, "_gelu_bwd", half_derivative)
+    result = registry.probe(spec, "cpu")
+    assert not result.ok and "gradient 0" in result.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_gelu_gradient_reads_a_column_slice(monkeypatch, dtype):
+    """GELU's incoming gradient arrives as a column slice of linear2's input gradient ([attention, MLP]) and linear1's
+    MLP columns as a slice of its output: the launcher writes aten's gelu_backward (tanh) into out's MLP columns,
+    and q, k, v's columns from their gradients, leaving nothing unwritten."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    lin1, q_scale, k_scale, pe, heads, width = inputs(dtype, B=2, H=2, D=64, L=6, mlp=1100)  # two column tiles
+    lin1 = lin1.detach()
+    B, L, W = lin1.shape
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(B, heads, L, width // 3 // heads, generator=gen).to(dtype) for _ in range(3)]
+    d_lin2_in = torch.randn(B, L, 96 + W - width, generator=gen).to(dtype)  # [attention's 96 columns, MLP's]
+    d_act = d_lin2_in[..., 96:]
+    q, k, _ = reference.heads(lin1[..., :width], heads)
+    rq, rk = (torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + single_qkv.EPS) for t in (q, k))
+    launchers, _ = fast._ops_lib()
+    got = torch.full_like(lin1, float("nan"))
+    launchers.single_qkv_bwd(*grads, lin1, rq, rk, q_scale, k_scale, pe, got, d_act)
+    want = torch.ops.aten.gelu_backward(d_act.float(), lin1[..., width:].float(), approximate="tanh")
+    assert not got.isnan().any()
+    assert reference.max_rel_err(got[..., width:], want) <= {torch.float32: 1e-6, torch.bfloat16: 4e-3}[dtype]
+    with pytest.raises(ValueError, match="d_act must be shaped"):
+        launchers.single_qkv_bwd(*grads, lin1, rq, rk, q_scale, k_scale, pe, got, d_act[..., 1:])
 
 
 def test_traced_code_calls_the_custom_op_on_the_gradients_as_they_come(monkeypatch):
@@ -223,6 +270,43 @@ def test_inductor_writes_gelus_gradient_into_the_kernels_buffer(monkeypatch):
     assert re.search(rf"\b{buffer}\b", returned), backward
 
 
+def test_with_gelu_in_the_kernel_inductor_writes_no_gelu_pass(monkeypatch):
+    """GELU's incoming gradient out of one GEMM (linear2 mirror-folded): with gelu_in_kernel the compiled backward
+    hands it to the custom op as it comes, and inductor emits no GELU pass of its own (which wrote the buffer's
+    full width, q/k/v's columns too, before the kernel wrote those again)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    lin1, q_scale, k_scale, pe, heads, width = inputs(torch.float32, B=1, L=5)
+    w = torch.randn(7, lin1.shape[-1] - width, generator=torch.Generator().manual_seed(4))
+
+    def block(fn, x):
+        q, k, v, act = fn(x, q_scale, k_scale, pe, heads, width)
+        return q, k, v, act @ w.t()
+
+    fast._ops_lib()
+    torch._dynamo.reset()
+    try:
+        fn = functools.partial(single_qkv.single_qkv, gelu_in_kernel=True)
+        compiled = torch.compile(functools.partial(block, fn))
+        (_, got), codes = run_and_get_code(outs_and_grads, compiled, (lin1,))
+    finally:
+        torch._dynamo.reset()
+    _, want = outs_and_grads(functools.partial(block, reference_single_qkv), (lin1,))
+    assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
+    backward = next(c for c in codes if "single_qkv_bwd.default(" in c)
+    call = re.search(r"single_qkv_bwd\.default\((.*)\)", backward).group(1)
+    depth, args = 0, 1  # the call's top-level arguments
+    for ch in call:
+        depth += (ch in "([") - (ch in ")]")
+        args += ch == "," and depth == 0
+    assert args == 11, call  # d_act passed (as a view of the GEMM's output: no copy)
+    assert "gelu" not in backward.lower(), backward
+
+
 def _single_block_model(fm, dtype, act=None):
     from tests.conftest import flux_block_pair
 
@@ -286,6 +370,47 @@ def test_checkpointed_blocks_keep_the_torch_backward(fm, monkeypatch, checkpoint
     assert bool(triton_calls) != checkpointed
     assert bool(qkv_calls) == (kind == "single" or not checkpointed)
     assert all(reference.max_rel_err(g, w) <= TOL[torch.float32] for g, w in zip(got, want, strict=True))
+
+
+def test_a_block_whose_linear2_is_mirror_folded_takes_gelus_gradient_in_the_kernel(fm, lora_flux, backward):
+    """With lora_fold's mirror fold on linear2 (sd-scripts' LoRA, A below W), GELU's incoming gradient is one GEMM's
+    output: the single block asks single_qkv for GELU's gradient in the Triton kernel; without the fold it does
+    not. Either way the block's outputs and gradients (input and LoRA factors) are sd-scripts' own."""
+    from flux_kernels import lora_fold
+
+    model = _single_block_model(fm, torch.float32)
+    block = model.single_blocks[0].train()
+    loras = []
+    for name in ("linear1", "linear2"):
+        lora = lora_flux.LoRAModule(f"lora_unet_single_{name}", getattr(block, name), lora_dim=4, alpha=2)
+        lora.apply_to()
+        torch.nn.init.normal_(lora.lora_up.weight, std=0.2, generator=torch.Generator().manual_seed(len(loras)))
+        loras.append(lora)
+    factors = [p for lo in loras for p in (lo.lora_down.weight, lo.lora_up.weight)]
+    args = patch._verify_inputs(block, "single", "cpu", torch.float32, True)
+    wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + factors
+
+    def run():  # through the module's __call__: lora_fold's pre-hook moves the weights into their buffers
+        return patch._outs_and_grads(block, None, args, wrt)
+
+    want = run()
+    flags = []
+    apply = single_qkv._QKV.apply
+    patch.install_block_op(model, op="single_qkv")
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(single_qkv._QKV, "apply", lambda *a: flags.append(a[4]) or apply(*a))
+            unfolded = run()
+            assert lora_fold.install(block) == 2 and lora_fold.folded_down(block.linear2)
+            assert not lora_fold.folded_down(block.linear1)
+            folded = run()
+    finally:
+        patch.remove_kernels(model)
+        lora_fold.uninstall(block)
+    assert flags == [False, True]
+    assert not lora_fold.folded_down(block.linear2)
+    for got in (unfolded, folded):
+        assert all(reference.max_rel_err(g, w) <= 1e-5 for g, w in zip(got, want, strict=True))
 
 
 def test_a_block_with_another_activation_keeps_its_own_ops(fm):

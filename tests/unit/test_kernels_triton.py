@@ -315,6 +315,7 @@ cases = [  # (kernel, constexprs, num_warps as flux_kernels._launch launches the
     (tq.qk_norm_rope_fwd, qk, 8),
     (tq.qk_norm_rope_bwd, {**qk, "COMPUTE_DW": True}, 8),
     (ts.qkv_bwd, qk, 8),
+    (ts.gelu_bwd, dict(BLOCK_T=4, BLOCK_M=1024, RTNE=False), 8),  # _launch.GELU_TILE
     (tm.modulate_fwd, row, 8),
     (tm.modulate_bwd, {**row, "COMPUTE_DSS": True}, 16),
     (tm.gated_fwd, row, 8),
