@@ -15,6 +15,7 @@ import torch
 import triton
 from torch import Tensor
 
+from flux_kernels import tl_lora_norms as tn
 from flux_kernels import tl_modulate as tm
 from flux_kernels import tl_qk_norm_rope as tq
 from flux_kernels import tl_single_qkv as ts
@@ -364,6 +365,25 @@ def _gelu_bwd(d_act: Tensor, x: Tensor, out: Tensor) -> None:
 
 def _single_qkv_bwd_fake(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, out, d_act=None):
     return None
+
+
+# ---- LoRA gradient row norms ------------------------------------------------------------------------------------
+
+
+def gram_row_norms(ups: Tensor, d_ups: Tensor, gram: Tensor, scale: float) -> Tensor:
+    """|scale| * sqrt(a_i M a_iᵀ) per row i of each of k modules, a_i = [up_i, d_up_i]: ups and d_ups [k, out, r]
+    (unit stride on r), gram [k, 2r, 2r] float64 contiguous. Returns [k, out, 1] fp32, computed in float64."""
+    k, N, r = ups.shape
+    out = torch.empty((k, N, 1), dtype=F32, device=ups.device)
+    if not (k and N):
+        return out
+    R = max(16, triton.next_power_of_2(r))
+    block = {16: 64, 32: 32}.get(R, 16)  # ptxas (sm_90, fp32 factors): 95 / ~100 / 255 registers, no spills
+    tn.gram_row_norms[(k, triton.cdiv(N, block))](
+        ups, d_ups, gram, out, N, r, abs(float(scale)), ups.stride(0), ups.stride(1), d_ups.stride(0),
+        d_ups.stride(1), out.stride(0), BLOCK_N=block, R=R, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 LAUNCHERS = {

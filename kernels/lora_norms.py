@@ -28,6 +28,9 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from flux_kernels import fast
+from flux_kernels.device import triton_runs_on
+
 ATTR = "_flux_lora_norms"
 
 
@@ -43,14 +46,31 @@ def row_norms(up: Tensor, down: Tensor, d_up: Tensor, d_down: Tensor, scale: flo
 
 
 @torch.no_grad()
-def batched_row_norms(ups, downs, d_ups, d_downs, scale: float) -> Tensor:
+def batched_row_norms(ups, downs, d_ups, d_downs, scale: float, triton: bool | None = None) -> Tensor:
     """`row_norms` of k modules of one shape and scale in a few batched ops: [k, out, 1] float32. One call per
     weight shape instead of a dozen small kernels per module: FLUX's 304 modules have 7 shapes; module by module
-    the launches took 58 ms of wall time a step, batched 3.6 ms (H200), and the step went from 0.428 to 0.381 s."""
-    a = torch.cat([torch.stack(ups), torch.stack(d_ups)], dim=2).double()  # [k, out, 2r]
+    the launches took 58 ms of wall time a step, batched 3.6 ms (H200), and the step went from 0.428 to 0.381 s.
+
+    Where Triton runs, the out-sized side is one kernel (`tl_lora_norms`): it reads the stacked up factors and
+    gradients once in their own dtype and does the same float64 math in registers, where the torch path writes and
+    reads float64 copies of them several times (~3 ms of device time a step on FLUX, H200). `triton` forces one
+    side (None: the kernel where it can run)."""
     b = torch.cat([torch.stack(d_downs), torch.stack(downs)], dim=1).double()  # [k, 2r, in]
-    squared = (torch.bmm(a, torch.bmm(b, b.transpose(1, 2))) * a).sum(dim=2, keepdim=True)
+    gram = torch.bmm(b, b.transpose(1, 2))  # [k, 2r, 2r]
+    stacked_ups = torch.stack(ups)
+    if triton is None:
+        triton = triton_runs_on(stacked_ups.device) and _gram_kernel_takes(stacked_ups)
+    if triton:
+        launchers, _ = fast._ops_lib()
+        return launchers.gram_row_norms(stacked_ups, torch.stack(d_ups), gram, scale)
+    a = torch.cat([stacked_ups, torch.stack(d_ups)], dim=2).double()  # [k, out, 2r]
+    squared = (torch.bmm(a, gram) * a).sum(dim=2, keepdim=True)
     return (squared.clamp_min_(0).sqrt_() * abs(float(scale))).float()
+
+
+def _gram_kernel_takes(ups: Tensor) -> bool:
+    """The kernel's dtypes, and ranks it holds in registers (up to 64)."""
+    return ups.dtype in (torch.float32, torch.bfloat16, torch.float16) and ups.shape[-1] <= 64
 
 
 def _is_lora(m: object) -> bool:

@@ -387,9 +387,9 @@ def bench_lora_norms(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict
     for f in factors:
         groups.setdefault((f[0].shape, f[1].shape), []).append(f)
 
-    def batched():
+    def batched(triton=None):
         for members in groups.values():
-            lora_norms.batched_row_norms(*zip(*members, strict=True), 1.0)
+            lora_norms.batched_row_norms(*zip(*members, strict=True), 1.0, triton=triton)
 
     for label, call in (
         ("sd_scripts", lambda: [sd_scripts_way(*f, 1.0) for f in factors]),
@@ -398,6 +398,12 @@ def bench_lora_norms(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict
     ):
         total[f"{label}_wall_ms"] = median_ms(call, dev, warmup, reps)
     total["batched_gpu_ms"] = gpu_ms(batched, dev, reps)
+    if dev.type == "cuda":  # the same with the out-sized side in torch's float64 ops instead of the Triton kernel
+        total["batched_torch_gpu_ms"] = gpu_ms(functools.partial(batched, False), dev, reps)
+        total["batched_max_diff"] = max(
+            (lora_norms.batched_row_norms(*zip(*m, strict=True), 1.0) - lora_norms.batched_row_norms(
+                *zip(*m, strict=True), 1.0, triton=False)).abs().max().item() for m in groups.values()
+        )  # fmt: skip
     return [*rows, total]
 
 
@@ -688,9 +694,10 @@ def main(argv: list[str] | None = None) -> int:
                 "gram_max_rel_err", "speedup"]  # fmt: skip
         print_table("LoRA gradient row norms, r16 (GPU time; step_ms: x modules of that shape; error vs float64)",
                     result["lora_norms"], cols)  # fmt: skip
+        cols = ["modules", "sd_scripts_wall_ms", "gram_wall_ms", "batched_wall_ms", "batched_gpu_ms",
+                "batched_torch_gpu_ms", "batched_max_diff"]  # fmt: skip
         print_table("LoRA gradient row norms of one step's modules, wall time (CPU launches included)",
-                    result["lora_norms"][-1:], ["modules", "sd_scripts_wall_ms", "gram_wall_ms", "batched_wall_ms",
-                                                "batched_gpu_ms"])  # fmt: skip
+                    result["lora_norms"][-1:], cols)  # fmt: skip
     if ns.blocks:
         try:
             result["blocks"] = bench_blocks(dev, dtype, s, ns.warmup, ns.reps)

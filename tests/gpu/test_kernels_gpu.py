@@ -519,3 +519,23 @@ def test_compiled_blocks_with_their_qkv_op_at_two_shapes_match_eager(dev, fm, ch
         compile_blocks.remove(model)
         patch.remove_kernels(model)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("out", "inp", "k"), [(21504, 3072, 38), (3072, 15360, 38), (333, 77, 3)])
+def test_lora_norms_kernel_matches_the_float64_ops(dev, out, inp, k):
+    """The LoRA gradient row norms' Triton kernel (float64 dots) against the torch float64 ops, k modules of one
+    shape at FLUX's widest, with one module whose two products nearly cancel (where float32 would lose digits)."""
+    from flux_kernels import lora_norms
+
+    gen = torch.Generator(device=dev).manual_seed(out)
+    mods = []
+    for i in range(k):
+        up, d_up = (torch.randn(out, 16, device=dev, generator=gen) * s for s in (0.01, 1e-4))
+        down, d_down = (torch.randn(16, inp, device=dev, generator=gen) * s for s in (0.05, 1e-4))
+        if i == 1:
+            d_up, d_down = -up, down + 1e-3 * d_down  # the row of G is ~1e-3 of either product
+        mods.append((up, down, d_up, d_down))
+    got = lora_norms.batched_row_norms(*zip(*mods, strict=True), 0.5, triton=True)
+    want = lora_norms.batched_row_norms(*zip(*mods, strict=True), 0.5, triton=False)
+    assert got.shape == want.shape == (k, out, 1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)

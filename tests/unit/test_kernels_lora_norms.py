@@ -3,18 +3,38 @@ LoRAModule.update_grad_norms on a real LoRA module (skipped with the reason when
 
 from __future__ import annotations
 
+import importlib.util
 import types
 
 import pytest
 import torch
 from torch import nn
 
-from flux_kernels import lora_norms, patch
+from flux_kernels import fast, lora_norms, patch, registry
 from flux_kernels.registry import REGISTRY, KernelError, unchecked
 
 
-@pytest.mark.parametrize("out, inp, r, scale", [(40, 72, 4, 0.5), (3072, 3072, 16, 1.0), (7, 5, 3, -2.0)])
-def test_gram_norms_equal_the_product(out, inp, r, scale):
+@pytest.fixture(params=["torch", "triton"])
+def path(request, monkeypatch):
+    """Which side computes the out-sized part: the torch float64 ops, or the Triton kernel (on CPU through Triton's
+    interpreter); the test fails if the other one ran."""
+    calls = []
+    if request.param == "triton":
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton is not installed: only the torch path can run")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        launchers, _ = fast._ops_lib()
+        original = launchers.gram_row_norms
+        monkeypatch.setattr(launchers, "gram_row_norms", lambda *a: calls.append(1) or original(*a))
+    yield request.param
+    assert bool(calls) == (request.param == "triton"), f"the {request.param} path was not the one used"
+
+
+SHAPES = [(40, 72, 4, 0.5), (3072, 3072, 16, 1.0), (7, 5, 3, -2.0), (70, 30, 20, 1.0), (33, 20, 40, 0.3)]
+
+
+@pytest.mark.parametrize("out, inp, r, scale", SHAPES)
+def test_gram_norms_equal_the_product(path, out, inp, r, scale):
     gen = torch.Generator().manual_seed(out)
     up, d_up = torch.randn(out, r, generator=gen), torch.randn(out, r, generator=gen) * 1e-3
     down, d_down = torch.randn(r, inp, generator=gen) * 0.1, torch.randn(r, inp, generator=gen) * 1e-2
@@ -24,7 +44,7 @@ def test_gram_norms_equal_the_product(out, inp, r, scale):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
-def test_bf16_factors_are_multiplied_in_fp32():
+def test_bf16_factors_are_multiplied_in_fp32(path):
     gen = torch.Generator().manual_seed(1)
     t = [torch.randn(s, generator=gen).bfloat16() for s in ((24, 4), (4, 40), (24, 4), (4, 40))]
     torch.testing.assert_close(lora_norms.row_norms(*t, 0.25), lora_norms.reference_row_norms(*t, 0.25), rtol=1e-5,
@@ -99,7 +119,7 @@ def test_conv_lora_is_left_alone():
     assert lora_norms.install(model) == (0, 1) and "update_grad_norms" not in lora.__dict__
 
 
-def test_float64_holds_where_the_two_products_nearly_cancel():
+def test_float64_holds_where_the_two_products_nearly_cancel(path):
     """up @ d_down + d_up @ down ~ 1e-3 of either product: float32 (or TF32, which the launcher allows on GPUs and
     which failed the probe on an H200 at 1e-4) loses digits here; the float64 math of both versions does not."""
     gen = torch.Generator().manual_seed(3)
@@ -111,8 +131,32 @@ def test_float64_holds_where_the_two_products_nearly_cancel():
     d_up, d_down = -up, down + 1e-3 * noise  # up @ d_down + d_up @ down = 1e-3 * up @ noise
     up64, down64, d_up64, d_down64 = (t.double() for t in (up, down, d_up, d_down))
     exact = torch.norm(up64 @ d_down64 + d_up64 @ down64, dim=1, keepdim=True).float()
-    for fn in (lora_norms.row_norms, lora_norms.reference_row_norms):
-        torch.testing.assert_close(fn(up, down, d_up, d_down, 1.0), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(lora_norms.row_norms(up, down, d_up, d_down, 1.0), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(lora_norms.reference_row_norms(up, down, d_up, d_down, 1.0), exact, rtol=1e-6, atol=0)
+
+
+def test_modules_batched_by_shape_each_get_their_own_rows(path):
+    """k modules of one shape in one call: each module's rows, in order (the kernel indexes the stacked factors)."""
+    gen = torch.Generator().manual_seed(9)
+    mods = [[torch.randn(*s, generator=gen) for s in ((50, 6), (6, 30), (50, 6), (6, 30))] for _ in range(3)]
+    got = lora_norms.batched_row_norms(*zip(*mods, strict=True), 0.7)
+    assert got.shape == (3, 50, 1) and got.dtype == torch.float32
+    for i, m in enumerate(mods):
+        torch.testing.assert_close(got[i], lora_norms.reference_row_norms(*m, 0.7), rtol=1e-6, atol=0)
+
+
+def test_the_probe_rejects_a_wrong_kernel(monkeypatch):
+    """The registry probe runs the Triton path where Triton runs: a kernel that drops the scale is rejected."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = registry.REGISTRY["lora_grad_norms"]
+    assert registry.probe(spec, "cpu").ok
+    launchers, _ = fast._ops_lib()
+    original = launchers.gram_row_norms
+    monkeypatch.setattr(launchers, "gram_row_norms", lambda ups, d_ups, gram, scale: original(ups, d_ups, gram, 1.0))
+    result = registry.probe(spec, "cpu")
+    assert not result.ok, result
 
 
 class FakeLora(nn.Module):
