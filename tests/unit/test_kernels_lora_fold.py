@@ -45,6 +45,37 @@ def test_folded_matches_sd_scripts_form_forward_and_backward(dtype, tol, bias, f
         assert g.shape == r.shape and max_rel_err(g, r) <= tol
 
 
+def test_the_input_gradient_is_added_in_place_into_the_gemms_output():
+    """dx = dx₀ + s·(dY @ B) @ A is written into the first K columns of dY @ [W, B] (no copy of dx₀ first): dx comes
+    back as that view, with the values of the out-of-place sum, and dh is s·(dY @ B)."""
+    gen = torch.Generator().manual_seed(11)
+    dy, w, b, a = (torch.randn(*s, generator=gen) for s in ((37, 160), (160, 24), (160, 4), (4, 24)))
+    wb = torch.cat([w, b], dim=1)
+    dx, dh = lora_fold.input_grad(dy, wb, a, 0.75)
+    assert dx.shape == (37, 24) and dx.stride() == (28, 1)  # a view of the [37, 28] product
+    torch.testing.assert_close(dh, 0.75 * (dy @ b))
+    torch.testing.assert_close(dx, dy @ w + (0.75 * (dy @ b)) @ a, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_backward_takes_the_input_gradient_op_and_no_addmm(monkeypatch):
+    """Traced, the backward calls the custom op (inductor would otherwise turn the in-place add on a view back into
+    an addmm that copies its input, and a scatter), with the gradients of compiled and eager code equal."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    x, w, bias, a, b = _inputs(torch.float32)
+    want = _outs_and_grads(lora_fold.fast_linear, x, w, bias, a, b, 0.75)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lora_fold.fast_linear)
+        got, codes = run_and_get_code(_outs_and_grads, compiled, x, w, bias, a, b, 0.75)
+    finally:
+        torch._dynamo.reset()
+    _assert_close(got, want, 1e-5)
+    backward = next(c for c in codes if "lora_fold_input_grad" in c)
+    assert "addmm" not in backward, backward
+
+
 def _no_lora_in_dx_up(backward):
     def wrong(ctx, dy):
         dx, *rest = backward(ctx, dy)

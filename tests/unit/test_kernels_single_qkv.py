@@ -413,6 +413,32 @@ def test_a_block_whose_linear2_is_mirror_folded_takes_gelus_gradient_in_the_kern
         assert all(reference.max_rel_err(g, w) <= 1e-5 for g, w in zip(got, want, strict=True))
 
 
+def test_double_blocks_hand_attention_token_major_q_k_v(fm, monkeypatch, tmp_path):
+    """Without double_qkv, the double block concatenates its streams' q, k, v token-major ([B, L, H, D] in memory,
+    as the single blocks' are), so attention's output comes out token-major and its tokens form needs no copy: the
+    same values as sd-scripts' torch.cat(dim=2), outputs and input gradients as sd-scripts' block."""
+    monkeypatch.setenv("FLUX_KERNELS_CACHE", str(tmp_path / "attention.json"))
+    model = _single_block_model(fm, torch.float32)
+    want = _run(model, torch.float32, "double")
+    seen = []
+    attend = patch.BlockOps.attend
+    monkeypatch.setattr(
+        patch.BlockOps, "attend", lambda self, q, k, v, m: seen.append((q, k, v)) or attend(self, q, k, v, m)
+    )
+    patch.install_block_op(model, op="attention")
+    try:
+        got = _run(model, torch.float32, "double")
+    finally:
+        patch.remove_kernels(model)
+    (q, k, v), *_ = seen
+    B, H, L, D = q.shape
+    for t in (q, k, v):
+        assert t.stride(1) == D and t.stride(2) == H * D, t.stride()
+    assert all(reference.max_rel_err(g, w) <= TOL[torch.float32] for g, w in zip(got, want, strict=True))
+    parts = [torch.randn(2, 3, n, 4) for n in (2, 5)]
+    assert torch.equal(patch.cat_tokens(parts), torch.cat(parts, dim=2))
+
+
 def test_a_block_with_another_activation_keeps_its_own_ops(fm):
     model = _single_block_model(fm, torch.float32, act=torch.nn.GELU())  # exact GELU: not what single_qkv computes
     want = _run(model, torch.float32)
