@@ -236,6 +236,31 @@ def test_traced_code_calls_the_custom_op_on_the_gradients_as_they_come(monkeypat
     assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
 
 
+def _compiled_backward(monkeypatch, mlp_out, fast_fn=single_qkv.single_qkv) -> str:
+    """A single block's q/k/v + GELU (`fast_fn`) with `mlp_out(act)` after it, compiled with inductor (Triton through
+    the interpreter): its gradient checked against the reference's; returns the backward's generated code."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    lin1, q_scale, k_scale, pe, heads, width = inputs(torch.float32, B=1, L=5)
+
+    def block(fn, x):
+        q, k, v, act = fn(x, q_scale, k_scale, pe, heads, width)
+        return q, k, v, mlp_out(act)
+
+    fast._ops_lib()  # registered before tracing, as the probe does in training (registering traced breaks the graph)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(functools.partial(block, fast_fn))
+        (_, got), codes = run_and_get_code(outs_and_grads, compiled, (lin1,))
+    finally:
+        torch._dynamo.reset()
+    _, want = outs_and_grads(functools.partial(block, reference_single_qkv), (lin1,))
+    assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
+    return next(c for c in codes if "single_qkv_bwd.default(" in c)
+
+
 def test_inductor_writes_gelus_gradient_into_the_kernels_buffer(monkeypatch):
     """The Triton kernel writes q, k, v's columns of linear1's gradient into a buffer; GELU's columns go into the
     same buffer, computed by inductor's own kernel (fused with whatever makes GELU's incoming gradient: here a
@@ -244,27 +269,8 @@ def test_inductor_writes_gelus_gradient_into_the_kernels_buffer(monkeypatch):
     the kernel must be the one the compiled backward returns."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    from torch._inductor.utils import run_and_get_code
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    lin1, q_scale, k_scale, pe, heads, width = inputs(torch.float32, B=1, L=5)
-    w = torch.randn(7, lin1.shape[-1] - width, generator=torch.Generator().manual_seed(4))
-
-    def block(fn, x):
-        q, k, v, act = fn(x, q_scale, k_scale, pe, heads, width)
-        return q, k, v, act @ w.t() + act @ (0.5 * w).t()  # GELU's incoming gradient is a sum of two
-
-    fast._ops_lib()  # registered before tracing, as the probe does in training (registering traced breaks the graph)
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(functools.partial(block, single_qkv.single_qkv))
-        (_, got), codes = run_and_get_code(outs_and_grads, compiled, (lin1,))
-    finally:
-        torch._dynamo.reset()
-    _, want = outs_and_grads(functools.partial(block, reference_single_qkv), (lin1,))
-    assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
-    backward = next(c for c in codes if "single_qkv_bwd.default(" in c)
+    w = torch.randn(7, 40, generator=torch.Generator().manual_seed(4))
+    backward = _compiled_backward(monkeypatch, lambda act: act @ w.t() + act @ (0.5 * w).t())  # a sum of two
     buffer = re.search(r"single_qkv_bwd\.default\(.*, (\w+)\)", backward).group(1)
     returned = re.search(r"\n\s*return \((.*)\)", backward).group(1)
     assert re.search(rf"\b{buffer}\b", returned), backward
@@ -276,28 +282,9 @@ def test_with_gelu_in_the_kernel_inductor_writes_no_gelu_pass(monkeypatch):
     full width, q/k/v's columns too, before the kernel wrote those again)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    from torch._inductor.utils import run_and_get_code
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    lin1, q_scale, k_scale, pe, heads, width = inputs(torch.float32, B=1, L=5)
-    w = torch.randn(7, lin1.shape[-1] - width, generator=torch.Generator().manual_seed(4))
-
-    def block(fn, x):
-        q, k, v, act = fn(x, q_scale, k_scale, pe, heads, width)
-        return q, k, v, act @ w.t()
-
-    fast._ops_lib()
-    torch._dynamo.reset()
-    try:
-        fn = functools.partial(single_qkv.single_qkv, gelu_in_kernel=True)
-        compiled = torch.compile(functools.partial(block, fn))
-        (_, got), codes = run_and_get_code(outs_and_grads, compiled, (lin1,))
-    finally:
-        torch._dynamo.reset()
-    _, want = outs_and_grads(functools.partial(block, reference_single_qkv), (lin1,))
-    assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
-    backward = next(c for c in codes if "single_qkv_bwd.default(" in c)
+    w = torch.randn(7, 40, generator=torch.Generator().manual_seed(4))
+    fast_fn = functools.partial(single_qkv.single_qkv, gelu_in_kernel=True)
+    backward = _compiled_backward(monkeypatch, lambda act: act @ w.t(), fast_fn)
     call = re.search(r"single_qkv_bwd\.default\((.*)\)", backward).group(1)
     depth, args = 0, 1  # the call's top-level arguments
     for ch in call:
