@@ -13,6 +13,8 @@ GB/s is the op's minimum traffic (bytes it must read and write, forward and back
 same byte count for every column so the columns compare (an H200 streams ~4 TB/s).
 With --lora, one FLUX Linear with a LoRA, forward+backward: as sd-scripts has it, against the frozen Linear alone,
 the LoRA folded into the frozen GEMM and a hand-written backward (the measurement behind not folding it).
+With --single-qkv, the single block's linear1 gradient (q, k, v's and GELU's parts, `single_qkv_bwd`) at 4608
+tokens: the Triton kernels for every column against GELU's part compiled by inductor.
 With --prodigy, one Prodigy optimizer step over FLUX's 608 LoRA tensors: prodigyopt's against flux_kernels', with
 its flat buffers and with multi-tensor ops only.
 With --l2, one compiled double and single block without and with an L2 persistence window (flux_kernels.l2) over
@@ -407,6 +409,70 @@ def bench_lora_norms(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict
     return [*rows, total]
 
 
+def bench_single_qkv(dev, warmup, reps, tiny: bool) -> list[dict]:
+    """The single block's linear1 gradient from q, k, v's and the MLP activation's (flux_kernels' `single_qkv_bwd`
+    op) at 4608 tokens x 21504 columns: the Triton kernels writing every column (`gelu_in_kernel`, where lora_fold
+    mirror-folds linear2) against the kernel for q, k, v with GELU's part compiled by inductor into the same buffer
+    (the path elsewhere), both under torch.compile as the blocks run them. GB/s from the minimum traffic: q, k, v's
+    gradients and linear1's qkv columns read and the gradient's written; the MLP's incoming gradient and columns
+    read and its gradient written."""
+    from flux_kernels import fast, reference, single_qkv
+    from flux_kernels.device import triton_runs_on
+
+    if not triton_runs_on(dev):
+        return [{"name": "single_qkv_bwd", "skipped": f"no Triton on {dev.type} (CUDA, or TRITON_INTERPRET=1)"}]
+    B, L, H, D, M = (1, 9, 2, 128, 40) if tiny else (1, 4608, 24, 128, 12288)
+    width = 3 * H * D
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dev, dtype)
+
+    lin1 = rnd(B, L, width + M, scale=2.0)
+    d_act = rnd(B, L, H * D + M)[..., H * D :]  # a column slice of linear2's input gradient, as training hands it
+    dq, dk, dv = (rnd(B, L, H, D).transpose(1, 2) for _ in range(3))  # FlashAttention-4's: token-major
+    q, k, _ = reference.heads(lin1[..., :width], H)
+    rq, rk = (torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + single_qkv.EPS) for t in (q, k))
+    q_scale, k_scale = (torch.rand(D, generator=gen).to(dev) + 0.5 for _ in range(2))
+    pe = reference.make_pe(B, L, D, device=dev).float()
+    args = (dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, d_act)
+    fast._ops_lib()
+
+    def kernel(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, d_act):
+        grad = torch.empty_like(lin1)
+        fast._kernel("single_qkv_bwd", lin1)(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, grad, d_act)
+        return grad
+
+    def inductor_gelu(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, d_act):
+        grad = torch.empty_like(lin1)
+        grad[..., width:] = torch.ops.aten.gelu_backward(d_act, lin1[..., width:], approximate="tanh")
+        fast._kernel("single_qkv_bwd", lin1)(dq, dk, dv, lin1, rq, rk, q_scale, k_scale, pe, grad)
+        return grad
+
+    e = torch.empty(0, dtype=dtype).element_size()
+    nbytes = (3 * width + 3 * M) * B * L * e
+    row = {"name": f"{L}x{width + M}", "bytes": nbytes}
+    outs = {}
+    for label, fn in (("kernels", kernel), ("inductor_gelu", inductor_gelu)):
+        compiled = torch.compile(fn)
+        try:
+            outs[label] = compiled(*args)
+            call = functools.partial(compiled, *args)
+            row[f"{label}_ms"] = median_ms(call, dev, warmup, reps)
+            gpu = gpu_ms(call, dev, reps)
+            if gpu is not None:
+                row[f"{label}_gpu_ms"] = gpu
+            row[f"{label}_gbps"] = nbytes / (gpu or row[f"{label}_ms"]) / 1e6
+        except Exception as err:  # noqa: BLE001 - report and go on
+            row[f"{label}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    if len(outs) == 2:
+        t = "_gpu_ms" if "kernels_gpu_ms" in row and "inductor_gelu_gpu_ms" in row else "_ms"
+        row["speedup"] = row[f"inductor_gelu{t}"] / row[f"kernels{t}"]
+        row["max_rel_err"] = reference.max_rel_err(outs["kernels"], outs["inductor_gelu"])
+    return [row]
+
+
 def bench_prodigy(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict]:
     """One Prodigy optimizer step over FLUX's LoRA tensors (304 modules: 608 fp32 factors plus nothing else here),
     prodigyopt's own step against flux_kernels.prodigy's: wall time per step (the CPU launching kernels and waiting
@@ -630,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-norms", action="store_true", help="also time the per-step LoRA gradient row norms")
     ap.add_argument("--lora", action="store_true", help="also time a FLUX Linear's LoRA: as sd-scripts has it, folded")
     ap.add_argument("--prodigy", action="store_true", help="also time one Prodigy step over FLUX's LoRA tensors")
+    ap.add_argument("--single-qkv", action="store_true", help="also time the single block's linear1-gradient kernels")
     ap.add_argument("--l2", action="store_true", help="also time compiled blocks with an L2 persistence window")
     ap.add_argument("--offload", action="store_true", help="also time activation_offload's page-locked copies")
     ap.add_argument("--tiny", action="store_true", help="small shapes (a smoke test of this script)")
@@ -698,6 +765,11 @@ def main(argv: list[str] | None = None) -> int:
                 "batched_torch_gpu_ms", "batched_max_diff"]  # fmt: skip
         print_table("LoRA gradient row norms of one step's modules, wall time (CPU launches included)",
                     result["lora_norms"][-1:], cols)  # fmt: skip
+    if ns.single_qkv:
+        result["single_qkv"] = bench_single_qkv(dev, ns.warmup, ns.reps, ns.tiny)
+        print_table("the single block's linear1 gradient (q, k, v + GELU), compiled; GB/s from GPU time",
+                    result["single_qkv"], ["kernels_gpu_ms", "inductor_gelu_gpu_ms", "kernels_gbps",
+                                           "inductor_gelu_gbps", "speedup", "max_rel_err"])  # fmt: skip
     if ns.blocks:
         try:
             result["blocks"] = bench_blocks(dev, dtype, s, ns.warmup, ns.reps)

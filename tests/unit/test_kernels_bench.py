@@ -72,6 +72,17 @@ def test_tiny_cpu_lora_norms_section(bench, tmp_path):
     assert all(total[f"{label}_wall_ms"] > 0 for label in ("sd_scripts", "gram", "batched"))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_tiny_cpu_single_qkv_section(bench, tmp_path, monkeypatch):
+    """Both forms of the single block's linear1 gradient, compiled, through Triton's interpreter: the same gradient."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    (row,) = tiny_cpu_section(bench, tmp_path, "--single-qkv")
+    assert row["name"] == "9x808" and not [k for k in row if k.endswith("_error")], row
+    assert row["kernels_ms"] > 0 and row["inductor_gelu_gbps"] > 0 and row["speedup"] > 0
+    assert row["max_rel_err"] < 1e-5
+
+
 def test_l2_section_says_it_needs_cuda(bench, tmp_path, capsys):
     assert tiny_cpu_section(bench, tmp_path, "--l2") == {"skipped": "L2 persistence windows need a CUDA device"}
     assert "l2 skipped" in capsys.readouterr().out
