@@ -23,6 +23,7 @@ Nothing here imports sd-scripts: LoRA modules are recognised by what they have (
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 
 import torch
@@ -32,6 +33,7 @@ from flux_kernels import fast
 from flux_kernels.device import triton_runs_on
 
 ATTR = "_flux_lora_norms"
+log = logging.getLogger(__name__)
 
 
 def reference_row_norms(up: Tensor, down: Tensor, d_up: Tensor, d_down: Tensor, scale: float) -> Tensor:
@@ -58,14 +60,32 @@ def batched_row_norms(ups, downs, d_ups, d_downs, scale: float, triton: bool | N
     b = torch.cat([torch.stack(d_downs), torch.stack(downs)], dim=1).double()  # [k, 2r, in]
     gram = torch.bmm(b, b.transpose(1, 2))  # [k, 2r, 2r]
     stacked_ups = torch.stack(ups)
-    if triton is None:
-        triton = triton_runs_on(stacked_ups.device) and _gram_kernel_takes(stacked_ups)
+    auto = triton is None
+    if auto:
+        triton = triton_runs_on(stacked_ups.device) and _gram_kernel_takes(stacked_ups) and not _KERNEL_FAILED
     if triton:
         launchers, _ = fast._ops_lib()
-        return launchers.gram_row_norms(stacked_ups, torch.stack(d_ups), gram, scale)
+        try:
+            return launchers.gram_row_norms(stacked_ups, torch.stack(d_ups), gram, scale)
+        except Exception as err:  # noqa: BLE001 - a card Triton cannot compile it for: the torch ops, said once
+            if not auto:
+                raise
+            _kernel_failed(err, stacked_ups.device)
     a = torch.cat([stacked_ups, torch.stack(d_ups)], dim=2).double()  # [k, out, 2r]
     squared = (torch.bmm(a, gram) * a).sum(dim=2, keepdim=True)
     return (squared.clamp_min_(0).sqrt_() * abs(float(scale))).float()
+
+
+_KERNEL_FAILED = False  # set once the kernel failed to compile or launch in this process: the torch ops from then on
+
+
+def _kernel_failed(err: Exception, device: torch.device) -> None:
+    """Log once why the kernel is left for the torch ops (Triton 3.7 cannot compile its float64 dots for sm_100 at
+    rank 16, for one: its matmul pass fails)."""
+    global _KERNEL_FAILED
+    _KERNEL_FAILED = True
+    log.warning("lora_grad_norms: the Triton kernel failed on %s (%s: %s); the float64 torch ops compute the norms "
+                "instead", device, type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")  # fmt: skip
 
 
 def _gram_kernel_takes(ups: Tensor) -> bool:

@@ -145,6 +145,38 @@ def test_modules_batched_by_shape_each_get_their_own_rows(path):
         torch.testing.assert_close(got[i], lora_norms.reference_row_norms(*m, 0.7), rtol=1e-6, atol=0)
 
 
+def test_a_kernel_that_cannot_compile_here_leaves_the_norms_to_the_torch_ops(monkeypatch, caplog):
+    """Triton 3.7 cannot compile the kernel's float64 dots for sm_100 at rank 16: where the kernel fails, the norms
+    come from the torch ops, said once in the log, and the kernel is not tried again in the process; asked for
+    explicitly (`triton=True`), the failure is raised."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(lora_norms, "_KERNEL_FAILED", False)
+    launchers, _ = fast._ops_lib()
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(launchers, "gram_row_norms", broken)
+    gen = torch.Generator().manual_seed(2)
+    mods = [[torch.randn(*s, generator=gen) for s in ((20, 4), (4, 12), (20, 4), (4, 12))] for _ in range(2)]
+    with caplog.at_level("WARNING", logger="flux_kernels.lora_norms"):
+        first = lora_norms.batched_row_norms(*zip(*mods, strict=True), 0.5)
+        second = lora_norms.batched_row_norms(*zip(*mods, strict=True), 0.5)
+    assert calls == [1] and torch.equal(first, second)
+    assert [r.message for r in caplog.records if "failed" in r.message] == [
+        "lora_grad_norms: the Triton kernel failed on cpu (RuntimeError: PassManager::run failed); the float64 torch "
+        "ops compute the norms instead"
+    ]
+    for i, m in enumerate(mods):
+        torch.testing.assert_close(first[i], lora_norms.reference_row_norms(*m, 0.5), rtol=1e-6, atol=0)
+    with pytest.raises(RuntimeError, match="PassManager"):
+        lora_norms.batched_row_norms(*zip(*mods, strict=True), 0.5, triton=True)
+
+
 def test_the_probe_rejects_a_wrong_kernel(monkeypatch):
     """The registry probe runs the Triton path where Triton runs: a kernel that drops the scale is rejected."""
     if importlib.util.find_spec("triton") is None:

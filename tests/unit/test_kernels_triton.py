@@ -420,6 +420,44 @@ def test_kernels_compile_to_cubin_for_hopper_and_blackwell_without_a_gpu(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+GRAM_AOT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flux_kernels import tl_lora_norms as tn
+
+fn = tn.gram_row_norms
+sig = {n: "i32" for n in fn.arg_names} | {"u_ptr": "*fp32", "du_ptr": "*fp32", "m_ptr": "*fp64", "out_ptr": "*fp32",
+                                          "scale": "fp32", "BLOCK_N": "constexpr", "R": "constexpr"}
+for cap in map(int, sys.argv[1:]):
+    for R, block in ((16, 64), (32, 32), (64, 16)):  # flux_kernels._launch.gram_row_norms' tiles
+        triton.compile(ASTSource(fn, sig, {"BLOCK_N": block, "R": R}), target=GPUTarget("cuda", cap, 32),
+                       options={"num_warps": 4})
+"""
+
+
+def test_lora_norms_kernel_compiles_for_the_cards_flux_train_supports(tmp_path):
+    """gram_row_norms' float64 dots compile for Ampere (sm_80, sm_86), Ada (sm_89), Hopper (sm_90) and the RTX 50
+    series (sm_120), at every rank tile. (Not for sm_100 at rank 16 with Triton 3.7: there lora_norms falls back
+    to the torch ops, see test_kernels_lora_norms.)"""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel has no CUDA backend/ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", GRAM_AOT, "80", "86", "89", "90", "120"], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_interpreter_works_when_triton_was_imported_before_it_was_switched_on():
     """In one pytest process something else may import triton first; the kernels avoid triton.language's own
     @jit helpers (tl.sum, tl.zeros), which would then be compiled-only and crash the interpreter."""
