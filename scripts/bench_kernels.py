@@ -130,12 +130,15 @@ def op_cases(dev, dtype, s):
     }
 
 
-def time_variants(row: dict, variants: dict, args, dev, warmup: int, reps: int, rate_key: str, rate) -> None:
+def time_variants(
+    row: dict, variants: dict, args, dev, warmup: int, reps: int, rate_key: str, rate, make_run=fwd_bwd
+) -> None:
     """Into `row`, per variant `label`: label_ms (wall), label_gpu_ms (where the profiler sees the GPU) and
-    label_<rate_key> = rate(ms), from GPU time where measured; label_error instead if it fails."""
+    label_<rate_key> = rate(ms), from GPU time where measured; label_error instead if it fails. What is timed is
+    make_run(fn, args): forward and backward by default."""
     for label, fn in variants.items():
         try:
-            run = fwd_bwd(fn, args)
+            run = make_run(fn, args)
             row[f"{label}_ms"] = median_ms(run, dev, warmup, reps)
             gpu = gpu_ms(run, dev, reps)
             if gpu is not None:
@@ -453,23 +456,13 @@ def bench_single_qkv(dev, warmup, reps, tiny: bool) -> list[dict]:
     e = torch.empty(0, dtype=dtype).element_size()
     nbytes = (3 * width + 3 * M) * B * L * e
     row = {"name": f"{L}x{width + M}", "bytes": nbytes}
-    outs = {}
-    for label, fn in (("kernels", kernel), ("inductor_gelu", inductor_gelu)):
-        compiled = torch.compile(fn)
-        try:
-            outs[label] = compiled(*args)
-            call = functools.partial(compiled, *args)
-            row[f"{label}_ms"] = median_ms(call, dev, warmup, reps)
-            gpu = gpu_ms(call, dev, reps)
-            if gpu is not None:
-                row[f"{label}_gpu_ms"] = gpu
-            row[f"{label}_gbps"] = nbytes / (gpu or row[f"{label}_ms"]) / 1e6
-        except Exception as err:  # noqa: BLE001 - report and go on
-            row[f"{label}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-    if len(outs) == 2:
+    variants = {"kernels": torch.compile(kernel), "inductor_gelu": torch.compile(inductor_gelu)}
+    time_variants(row, variants, args, dev, warmup, reps, "gbps", lambda ms: nbytes / ms / 1e6,
+                  make_run=lambda fn, a: functools.partial(fn, *a))  # fmt: skip
+    if not [k for k in row if k.endswith("_error")]:
         t = "_gpu_ms" if "kernels_gpu_ms" in row and "inductor_gelu_gpu_ms" in row else "_ms"
         row["speedup"] = row[f"inductor_gelu{t}"] / row[f"kernels{t}"]
-        row["max_rel_err"] = reference.max_rel_err(outs["kernels"], outs["inductor_gelu"])
+        row["max_rel_err"] = reference.max_rel_err(variants["kernels"](*args), variants["inductor_gelu"](*args))
     return [row]
 
 
