@@ -79,6 +79,26 @@ def lora_flux(fm):
     return importlib.import_module("networks.lora_flux")
 
 
+def probe_with_broken_launcher(monkeypatch, kernel: str, launcher: str, broken):
+    """The registry probe of `kernel` on the CPU through Triton's interpreter: it passes as installed, then runs again
+    with flux_kernels._launch's `launcher` replaced by broken(original); returns that second verdict (skips without
+    triton)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from flux_kernels import fast, registry
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = registry.REGISTRY[kernel]
+    assert registry.probe(spec, "cpu").ok
+    launchers, _ = fast._ops_lib()
+    monkeypatch.setattr(launchers, launcher, broken(getattr(launchers, launcher)))
+    return registry.probe(spec, "cpu")
+
+
 def cpu_row_scales() -> bool:
     """Whether this torch's CPU _scaled_mm takes one scale per row (torch 2.11's takes per-tensor scales only): the
     fp8 path's CPU tests need it."""

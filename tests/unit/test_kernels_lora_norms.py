@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from flux_kernels import fast, lora_norms, patch, registry
+from flux_kernels import fast, lora_norms, patch
 from flux_kernels.registry import REGISTRY, KernelError, unchecked
 
 
@@ -179,15 +179,12 @@ def test_a_kernel_that_cannot_compile_here_leaves_the_norms_to_the_torch_ops(mon
 
 def test_the_probe_rejects_a_wrong_kernel(monkeypatch):
     """The registry probe runs the Triton path where Triton runs: a kernel that drops the scale is rejected."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spec = registry.REGISTRY["lora_grad_norms"]
-    assert registry.probe(spec, "cpu").ok
-    launchers, _ = fast._ops_lib()
-    original = launchers.gram_row_norms
-    monkeypatch.setattr(launchers, "gram_row_norms", lambda ups, d_ups, gram, scale: original(ups, d_ups, gram, 1.0))
-    result = registry.probe(spec, "cpu")
+    from tests.conftest import probe_with_broken_launcher
+
+    def scale_one(original):
+        return lambda ups, d_ups, gram, scale: original(ups, d_ups, gram, 1.0)
+
+    result = probe_with_broken_launcher(monkeypatch, "lora_grad_norms", "gram_row_norms", scale_one)
     assert not result.ok, result
 
 

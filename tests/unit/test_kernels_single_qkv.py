@@ -153,19 +153,13 @@ def test_the_triton_backward_reads_the_strides_it_gets(monkeypatch):
 
 def test_a_wrong_gelu_gradient_in_the_kernel_fails_the_probe(monkeypatch):
     """The probe runs single_qkv with GELU's gradient in the kernel: a kernel that drops GELU's tanh term is caught."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spec = registry.REGISTRY["single_qkv"]
-    assert registry.probe(spec, "cpu").ok
-    from flux_kernels import _launch
+    from tests.conftest import probe_with_broken_launcher
 
     def half_derivative(d_act, x, out):  # 0.5 * (1 + tanh(.)) only: the x * sech² part forgotten
         inner = 0.7978845608028654 * (x.float() + 0.044715 * x.float() ** 3)
         out.copy_(d_act.float() * 0.5 * (1 + torch.tanh(inner)))
 
-    monkeypatch.setattr(_launch, "_gelu_bwd", half_derivative)
-    result = registry.probe(spec, "cpu")
+    result = probe_with_broken_launcher(monkeypatch, "single_qkv", "_gelu_bwd", lambda original: half_derivative)
     assert not result.ok and "gradient 0" in result.reason
 
 
