@@ -162,8 +162,10 @@ def has_lora(model) -> tuple[bool, str]:
 
 def has_wide_lora(model) -> tuple[bool, str]:
     """`auto` folds the LoRA where there are layers to fold and the model does not checkpoint its blocks: measured
-    faster without checkpointing (vram80); with it, the card's peak (+0.6-1.2 GiB reserved at vram80) is unmeasured
-    against the checkpointed tiers' budgets, so there it must be named."""
+    faster without checkpointing (vram80). With checkpointing it must be named: the re-homed weights' old copies
+    stay in the allocator's cache through the first step (its reserved peak 40.6 against 28.2 GiB at vram48), so
+    memory.checkpoint_skip=auto then plans no room (56 of 57 blocks checkpointed, none selectively: 0.452 against
+    0.430 s/step on an H200), and at vram32 (32 GiB cap) the fold ran out of memory."""
     n = len(lora_fold.candidates(model))
     if not n:
         return False, f"no plain LoRA on a frozen Linear with {lora_fold.FOLDABLE}"
@@ -499,7 +501,8 @@ REGISTRY: dict[str, KernelSpec] = {
         KernelSpec(
             "lora_fold",
             f"a LoRA factor inside the frozen GEMM, on LoRA'd Linear layers with out >= {lora_fold.WIDE}x in (B beside "
-            "W: [x, s·x·Aᵀ] @ [W, B]ᵀ, and dY @ B inside the input gradient's GEMM; FLUX: single blocks' linear1) or "
+            "W: [x, s·x·Aᵀ] @ [W, B]ᵀ, and dY @ B inside the input gradient's GEMM; FLUX: single blocks' linear1, the "
+            "MLPs' first layer) or "
             f"in >= {lora_fold.WIDE_IN}x out (A below W: x @ [W; A]ᵀ, and [dY, s·dY @ B] @ [W; A] for the input "
             "gradient; FLUX: linear2 and the MLPs' second layer)",
             cuda_applies,

@@ -217,7 +217,11 @@ def test_what_is_not_folded():
     with pytest.raises(patch.KernelError, match="lora_fold"):
         patch.install_lora_fold(model)
     model, loras = _model()
-    assert registry.has_wide_lora(model) == (True, "2 LoRA Linear layers with out >= 6x in or in >= 4x out")
+    assert registry.has_wide_lora(model) == (True, "2 LoRA Linear layers with out >= 4x in or in >= 4x out")
+    # FLUX: linear1 (7x) and the double blocks' mlp.0 (4x) widen, linear2 and mlp.2 narrow; q/k/v (3x) is neither
+    shapes = ((3072, 21504), (3072, 12288), (15360, 3072), (3072, 9216))
+    sides = [lora_fold.side(nn.Linear(k, n, device="meta")) for k, n in shapes]
+    assert sides == ["up", "up", "down", None]
     model.gradient_checkpointing = True  # sd-scripts' FLUX model says so after enable_gradient_checkpointing()
     ok, why = registry.has_wide_lora(model)
     assert not ok and "checkpointing" in why  # auto leaves it out there; named, it still installs:
