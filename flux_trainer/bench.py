@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from flux_trainer.config.paths import cache_root
 from flux_trainer.sdscripts.runner import VRAM_CAP_ENV
@@ -46,6 +47,10 @@ class BenchResult:
     s_mean: float | None = None
     torch_peak_gib: float | None = None
     card_peak_gib: float | None = None
+    # the whole card's power draw and SM clock (NVML), medians over the measured steps: a card at its power limit
+    # runs below its boost clock, and two cards of one kind can differ there (compare s/step within one command)
+    power_w: float | None = None
+    sm_clock_mhz: float | None = None
     tflops: float | None = None
     mfu: float | None = None
     first_step_s: float | None = None
@@ -66,29 +71,42 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
 
 
-class CardMemoryPoller:
-    """Peak used memory of the whole card (NVML), sampled every 0.25 s on a thread; None without NVML."""
+def _reading(fn) -> float | None:
+    try:
+        return float(fn())
+    except Exception:  # noqa: BLE001 - a board that does not report it
+        return None
 
-    def __init__(self, index: int = 0, period_s: float = 0.25) -> None:
+
+class CardPoller:
+    """The whole card through NVML, sampled every 0.25 s on a thread: the peak of its used memory, and its power
+    draw and SM clock with the time of each sample (`samples`). Nothing without NVML."""
+
+    def __init__(self, index: int = 0, period_s: float = 0.25, nvml: Any = None) -> None:
         self.peak_bytes: int | None = None
+        self.samples: list[tuple[float, float | None, float | None]] = []  # (time.time(), watts, MHz)
         self._stop = threading.Event()
         self._period = period_s
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+            if nvml is None:
+                import pynvml as nvml
+            nvml.nvmlInit()
+            self._nvml, self._handle = nvml, nvml.nvmlDeviceGetHandleByIndex(index)
         except Exception:  # noqa: BLE001 - no NVML, no card: no reading
             self._nvml = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        n, h = self._nvml, self._handle
         while not self._stop.is_set():
-            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
+            used = n.nvmlDeviceGetMemoryInfo(h).used
             self.peak_bytes = max(self.peak_bytes or 0, used)
+            watts = _reading(lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0)
+            mhz = _reading(lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM))
+            self.samples.append((time.time(), watts, mhz))
             self._stop.wait(self._period)
 
-    def __enter__(self) -> CardMemoryPoller:
+    def __enter__(self) -> CardPoller:
         if self._nvml is not None:
             self._thread.start()
         return self
@@ -101,6 +119,19 @@ class CardMemoryPoller:
     @property
     def peak_gib(self) -> float | None:
         return None if self.peak_bytes is None else self.peak_bytes / 2**30
+
+    def during(self, window: tuple[float, float] | None) -> dict:
+        """`power_w` and `sm_clock_mhz`: the medians of the samples taken within `window` (wall times), each left
+        out where there is none."""
+        if window is None:
+            return {}
+        inside = [(w, c) for t, w, c in self.samples if window[0] <= t <= window[1]]
+        out = {}
+        for key, values in (("power_w", [w for w, _ in inside]), ("sm_clock_mhz", [c for _, c in inside])):
+            values = [v for v in values if v is not None]
+            if values:
+                out[key] = statistics.median(values)
+        return out
 
 
 def step_stats(tb_dir: Path, warmup: int) -> dict:
@@ -121,9 +152,10 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
                 tags.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     steps = sorted(wall)
     deltas = [wall[b] - wall[a] for a, b in zip(steps, steps[1:], strict=False) if a >= warmup]
-    out: dict = {"steps": len(steps), "first_wall": wall[steps[0]] if steps else None}
+    out: dict = {"steps": len(steps), "first_wall": wall[steps[0]] if steps else None, "window": None}
     if deltas:
         out.update(s_per_step=statistics.median(deltas), s_min=min(deltas), s_max=max(deltas))
+        out["window"] = (wall[steps[-1 - len(deltas)]], wall[steps[-1]])  # the measured steps' wall times
         out["s_mean"] = statistics.fmean(deltas)
     step_s, data_s = dict(tags.get("time/step_s", [])), dict(tags.get("time/data_s", []))
     if step_s and deltas:
@@ -279,18 +311,24 @@ def run_case(name: str, overrides: list[str], res: int, ns: argparse.Namespace, 
         *ns.overrides,
     ]
     t0 = time.time()
-    with CardMemoryPoller() as poller:
+    with CardPoller() as poller:
         code = run_training(full, [*user_config_dirs(), configs])
     runs = sorted((root / name).glob("*/"))
     result = BenchResult(case=name, overrides=full, exit_code=code, card_peak_gib=poller.peak_gib)
     if runs:
         result.run_dir = str(runs[-1])
-        stats = step_stats(runs[-1] / "tb", ns.warmup)
-        first = stats.pop("first_wall", None)
-        result.first_step_s = None if first is None else first - t0
-        for key, value in stats.items():
-            setattr(result, key, value)
+        _measured(result, runs[-1] / "tb", ns.warmup, t0, poller)
     return result
+
+
+def _measured(result: BenchResult, tb_dir: Path, warmup: int, t0: float, poller: CardPoller) -> None:
+    """Fill in what a run's TensorBoard events (and the card's samples over its measured steps) say."""
+    stats = step_stats(tb_dir, warmup)
+    first = stats.pop("first_wall", None)
+    result.first_step_s = None if first is None else first - t0
+    stats.update(poller.during(stats.pop("window", None)))
+    for key, value in stats.items():
+        setattr(result, key, value)
 
 
 def run_baseline(ours: BenchResult, ns: argparse.Namespace) -> BenchResult:
@@ -321,7 +359,7 @@ def run_baseline(ours: BenchResult, ns: argparse.Namespace) -> BenchResult:
     env = {**os.environ, **json.loads((run_dir / "env.json").read_text()).get("env", {})}
     env.pop(VRAM_CAP_ENV, None)
     t0 = time.time()
-    with CardMemoryPoller() as poller:
+    with CardPoller() as poller:
         code = run_supervised(cmd, env, out / "train.log")
     result = BenchResult(
         case=f"{ours.case} (plain sd-scripts)",
@@ -330,11 +368,7 @@ def run_baseline(ours: BenchResult, ns: argparse.Namespace) -> BenchResult:
         card_peak_gib=poller.peak_gib,
         run_dir=str(out),
     )
-    stats = step_stats(out / "tb", ns.warmup)
-    first = stats.pop("first_wall", None)
-    result.first_step_s = None if first is None else first - t0
-    for key, value in stats.items():
-        setattr(result, key, value)
+    _measured(result, out / "tb", ns.warmup, t0, poller)
     return result
 
 
@@ -355,7 +389,7 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
 def table(results: list[BenchResult]) -> str:
     head = (
         f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'card pk':>8} "
-        f"{'TFLOP/s':>7} {'MFU':>5} {'1st step':>8} {'+s 1st/2nd':>11}"
+        f"{'TFLOP/s':>7} {'MFU':>5} {'W':>4} {'SM MHz':>6} {'1st step':>8} {'+s 1st/2nd':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -365,7 +399,7 @@ def table(results: list[BenchResult]) -> str:
             f"{r.case[:36]:<36} {r.exit_code:>4} {_num(r.s_per_step, '.3f'):>7} {rng:>13} {_num(r.s_mean, '.3f'):>6} "
             f"{_num(r.torch_peak_gib, '.1f'):>8} "
             f"{_num(r.card_peak_gib, '.1f'):>8} {_num(r.tflops, '.0f'):>7} {_num(r.mfu, '.2f'):>5} "
-            f"{_num(r.first_step_s, '.0f'):>8} {extra:>11}"
+            f"{_num(r.power_w, '.0f'):>4} {_num(r.sm_clock_mhz, '.0f'):>6} {_num(r.first_step_s, '.0f'):>8} {extra:>11}"
         )
     return "\n".join(lines)
 

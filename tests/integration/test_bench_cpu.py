@@ -153,8 +153,50 @@ def test_step_stats_time_steps_and_the_first_two_steps_extra(tmp_path):
     stats = step_stats(tmp_path / "tb", warmup=2)
     assert stats["s_per_step"] == pytest.approx(0.5) and stats["s_max"] == pytest.approx(0.6)
     assert stats["step1_extra_s"] == pytest.approx(30.0) and stats["step2_extra_s"] == pytest.approx(10.0)
+    assert stats.pop("window") == pytest.approx((111.0, 113.0))  # the measured steps: from the warm-up's end
     stats.pop("first_wall")
     assert "30.0/10.0" in table([BenchResult(case="c", overrides=[], exit_code=0, **stats)])
+
+
+def test_card_poller_samples_memory_power_and_clock_and_takes_medians_over_the_measured_steps():
+    """The poller reads used memory, power and SM clock through NVML (a stand-in here) on its thread; a board that
+    refuses a reading leaves it None, and the medians count only the samples inside the measured steps' window."""
+    import time
+    from types import SimpleNamespace
+
+    from flux_trainer.bench import BenchResult, CardPoller, table
+
+    class Nvml:
+        NVML_CLOCK_SM = 1
+
+        def __init__(self):
+            self.used = iter(range(1, 10**6))
+
+        def nvmlInit(self):
+            pass
+
+        def nvmlDeviceGetHandleByIndex(self, index):
+            return index
+
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            return SimpleNamespace(used=next(self.used) * 2**30)
+
+        def nvmlDeviceGetPowerUsage(self, handle):
+            return 690_500  # milliwatts
+
+        def nvmlDeviceGetClockInfo(self, handle, clock):
+            raise RuntimeError("NotSupported")
+
+    with CardPoller(period_s=0.005, nvml=Nvml()) as poller:
+        time.sleep(0.1)
+    assert len(poller.samples) >= 2 and poller.peak_gib == len(poller.samples)
+    assert {(w, c) for _, w, c in poller.samples} == {(690.5, None)}
+    assert poller.during((0.0, time.time())) == {"power_w": 690.5}  # no clock reading: no clock median
+    poller.samples = [(1.0, 300.0, 1980.0), (2.0, 690.0, 1700.0), (3.0, 700.0, None), (4.0, 695.0, 1755.0)]
+    assert poller.during((2.0, 4.0)) == {"power_w": 695.0, "sm_clock_mhz": pytest.approx(1727.5)}
+    assert poller.during(None) == {} and CardPoller(nvml=object()).during((0.0, 5.0)) == {}
+    row = BenchResult(case="c", overrides=[], exit_code=0, s_per_step=0.33, **poller.during((2.0, 4.0)))
+    assert " 695   1728 " in table([row])
 
 
 def test_step_stats_mean_is_the_windows_throughput_where_intervals_bunch(tmp_path):
@@ -171,7 +213,7 @@ def test_step_stats_mean_is_the_windows_throughput_where_intervals_bunch(tmp_pat
     stats = step_stats(tmp_path / "tb", warmup=1)
     assert stats["s_per_step"] == pytest.approx(0.9) and stats["s_min"] == pytest.approx(0.1)
     assert stats["s_mean"] == pytest.approx(3.0 / 5)
-    stats.pop("first_wall")
+    stats.pop("first_wall"), stats.pop("window")
     assert " 0.600 " in table([BenchResult(case="c", overrides=[], exit_code=0, **stats)])
 
 
