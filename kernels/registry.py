@@ -162,10 +162,10 @@ def has_lora(model) -> tuple[bool, str]:
 
 def has_wide_lora(model) -> tuple[bool, str]:
     """`auto` folds the LoRA where there are layers to fold and the model does not checkpoint its blocks: measured
-    faster without checkpointing (vram80). With checkpointing it must be named: the re-homed weights' old copies
-    stay in the allocator's cache through the first step (its reserved peak 40.6 against 28.2 GiB at vram48), so
-    memory.checkpoint_skip=auto then plans no room (56 of 57 blocks checkpointed, none selectively: 0.452 against
-    0.430 s/step on an H200), and at vram32 (32 GiB cap) the fold ran out of memory."""
+    faster without checkpointing (vram80). With checkpointing it must be named: with plainly checkpointed blocks
+    the fold's steps peaked ~11 GiB higher on an H200 (39.2 against 27.5 GiB at 1024², not explained), so at vram48
+    memory.checkpoint_skip=auto planned no room (56 of 57 blocks checkpointed, none selectively: 0.452 against
+    0.430 s/step), and at vram32 (32 GiB cap) the fold ran out of memory."""
     n = len(lora_fold.candidates(model))
     if not n:
         return False, f"no plain LoRA on a frozen Linear with {lora_fold.FOLDABLE}"
