@@ -252,11 +252,13 @@ def _gpus(cfg: DictConfig, info) -> int:
 
 
 def _profile_options(cfg: DictConfig) -> dict:
+    snapshot = cfg.logging.get("memory_snapshot_at")
+    out = {} if snapshot is None else {"memory_snapshot_at": int(snapshot)}
     at = cfg.logging.get("profile_at")
     if at is None:
-        return {}
+        return out
     python = bool(cfg.logging.get("profile_python", False))
-    return {"profile_at": int(at), "profile_steps": int(cfg.logging.profile_steps), "profile_python": python}
+    return {**out, "profile_at": int(at), "profile_steps": int(cfg.logging.profile_steps), "profile_python": python}
 
 
 def _flops_options(cfg: DictConfig) -> dict:

@@ -118,6 +118,9 @@ class LoggingConfig:
     profile_at: int | None = None  # profile from this optimizer step: <run>/profile/ (trace, time by kernel kind)
     profile_steps: int = 3  # how many steps the profile covers
     profile_python: bool = False  # the trace also records the Python calls (where the host's time goes; larger)
+    # record every CUDA allocation of this optimizer step: <run>/memory/ (a snapshot for pytorch.org/memory_viz, and
+    # what was live at the step's peak by where it was allocated)
+    memory_snapshot_at: int | None = None
 
 
 @dataclass

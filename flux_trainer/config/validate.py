@@ -193,6 +193,10 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
             f"logging.profile_at={lg.profile_at}, logging.profile_steps={lg.profile_steps}: both must be at least 1 "
             "(profile_at is the first profiled optimizer step; null turns profiling off)"
         )
+    if lg.get("memory_snapshot_at") is not None and lg.memory_snapshot_at < 1:
+        problems.append(
+            f"logging.memory_snapshot_at={lg.memory_snapshot_at}: the optimizer step to record, at least 1 (null: off)"
+        )
     gpus = cfg.launcher.gpus
     if not (gpus == "all" or (isinstance(gpus, int) and gpus >= 1)):
         problems.append(f"launcher.gpus={gpus}: a positive number or 'all'")

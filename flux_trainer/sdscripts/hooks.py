@@ -34,6 +34,7 @@ class RunHooks:
         self.loss_guard = None
         self.slowdown = None
         self.profiler = None
+        self.memory_snapshot = None
         self._accelerator = None
         self._unet = None
         self.kernels_installed: list[str] = []
@@ -138,6 +139,15 @@ class RunHooks:
                 rank=int(getattr(accelerator, "process_index", 0)),
                 python=bool(self.spec.metrics.get("profile_python", False)),
             )
+        if self.spec.metrics.get("memory_snapshot_at"):
+            from flux_trainer.metrics.memory_snapshot import MemorySnapshot
+
+            self.memory_snapshot = MemorySnapshot(
+                self.run_dir,
+                at=int(self.spec.metrics["memory_snapshot_at"]),
+                accumulation=int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+                rank=int(getattr(accelerator, "process_index", 0)),
+            )
         if self.spec.metrics.get("enabled", True):
             from flux_trainer.metrics.health import LossGuard, SlowdownDetector
 
@@ -213,6 +223,8 @@ class RunHooks:
 
             # a new step: the graphs' outputs from the last one are dead (sd-scripts set the gradients to None)
             torch.compiler.cudagraph_mark_step_begin()
+        if self.memory_snapshot is not None and accelerator is not None:
+            self.memory_snapshot.on_batch(self._micro_steps, accelerator.device)
         if self.profiler is not None and accelerator is not None:
             if self.profiler.on_batch(self._micro_steps, accelerator.device):
                 self.profile_written(accelerator)
@@ -268,6 +280,8 @@ class RunHooks:
             log.info(self._startup_line)
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
+        if self.memory_snapshot is not None and self._max_steps and global_step >= self._max_steps:
+            self.memory_snapshot.close()  # the last step's allocations, not the final save's
         if self.norms is not None:
             self.norms.label(global_step)
             self.norms.flush(accelerator.log)
@@ -348,6 +362,8 @@ class RunHooks:
         """sd-scripts' train() returned or raised: close a profile window the run ended inside. Runs in a `finally`,
         so a failure here is logged, never raised over the exception that ended training."""
         try:
+            if self.memory_snapshot is not None:
+                self.memory_snapshot.close()
             if self.profiler is not None and self.profiler.close():
                 self.profile_written(self._accelerator)
         except Exception as e:  # noqa: BLE001 - see above

@@ -66,6 +66,7 @@ def trained(tmp_path_factory):
         "sample.width=64",
         "sample.height=64",
         "logging.profile_at=2",  # the run ends inside the 3-step window: the profile closes with the 1 step it saw
+        "logging.memory_snapshot_at=1",  # a CPU run: says so, records nothing
     ]
     if not shutil.which("flux-train"):
         cmd = [sys.executable, "-m", "flux_trainer.cli", *cmd[1:]]
@@ -181,6 +182,12 @@ def test_profile_written_when_the_run_ends_inside_its_window(trained):
     for d in {p.parent for p in (trained.run_dir / "tb").rglob("events.out.tfevents.*")}:
         texts.update(read_texts(d))
     assert texts["run/profile"].startswith("profiled 1 step(s)")
+
+
+def test_memory_snapshot_on_a_cpu_run_says_it_records_nothing(trained):
+    log = " ".join((trained.run_dir / "train.log").read_text().split())
+    assert "logging.memory_snapshot_at:" in log and "device; no memory snapshot" in log  # wrapped by rich
+    assert not (trained.run_dir / "memory").exists()
 
 
 def test_samples_and_hparams_in_tensorboard(trained):

@@ -169,3 +169,7 @@ def test_profile_options_reach_the_runner(compose):
     on = compose("+dataset=mychar", "logging.profile_at=5", "logging.profile_python=true")
     assert _profile_options(on) == {"profile_at": 5, "profile_steps": 3, "profile_python": True}
     assert _profile_options(compose("+dataset=mychar", "logging.profile_at=2"))["profile_python"] is False
+    snapshot = compose("+dataset=mychar", "logging.memory_snapshot_at=4")
+    assert _profile_options(snapshot) == {"memory_snapshot_at": 4}
+    (p,) = problems_of(compose("+dataset=mychar", "model=random_tiny", "logging.memory_snapshot_at=0"))
+    assert "logging.memory_snapshot_at=0" in p and "at least 1" in p

@@ -1,0 +1,134 @@
+"""`logging.memory_snapshot_at=N`: record every CUDA allocation of one optimizer step and say what was live at its
+peak, by where it was allocated.
+
+The step's allocations go to `<run>/memory/snapshot-rank<R>.pickle` (PyTorch's memory snapshot: drag it onto
+https://pytorch.org/memory_viz for the timeline), and `<run>/memory/peak-rank<R>.txt` lists the tensors allocated
+within the step that were still live when its allocated memory peaked, grouped by the first stack frame outside
+PyTorch (the line of sd-scripts, flux_kernels or inductor's generated code that asked for them). Tensors allocated
+before the step (the weights, the optimizer state) are not in the recording; the summary says how much the step
+added on top of them. Blocks replayed from CUDA graphs draw on the graphs' own pool, which the recording does not
+show; `kernels.cuda_graphs=false` for a step whose blocks should be in it. On a device that is not CUDA it logs
+that once and records nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+TORCH_PARTS = ("/torch/", "\\torch\\")  # a frame in PyTorch's own package
+
+
+def where(frames: list[dict]) -> str:
+    """The first frame (innermost first, as the snapshot lists them) outside PyTorch's package, as file:line
+    (function); the innermost frame where every one is PyTorch's; "?" without frames."""
+    if not frames:
+        return "?"
+    frame = next((f for f in frames if not any(p in f.get("filename", "") for p in TORCH_PARTS)), frames[0])
+    name = Path(frame.get("filename", "?")).name
+    return f"{name}:{frame.get('line', '?')} ({frame.get('name', '?')})"
+
+
+def peak_live(trace: list[dict]) -> tuple[int, int, dict[str, tuple[int, int]]]:
+    """From one device's allocation trace (snapshot["device_traces"][i]): the peak of the bytes allocated within the
+    trace and still live, the bytes live at its end, and at the peak, per `where`, (bytes, tensors)."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for e in trace:
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = (e["size"], where(e.get("frames", [])))
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, place in at_peak.values():
+        groups[place][0] += size
+        groups[place][1] += 1
+    return peak, total, {k: (v[0], v[1]) for k, v in groups.items()}
+
+
+def summary(step: int, trace: list[dict], top: int = 12) -> str:
+    peak, end, groups = peak_live(trace)
+    lines = [
+        f"memory of step {step}: {peak / GIB:.2f} GiB allocated within the step and live at its peak "
+        f"({end / GIB:.2f} GiB of the step's allocations still live at its end); at the peak, by where allocated:"
+    ]
+    for place, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {size / GIB:8.3f} GiB  {n:5d} tensors  {place}")
+    return "\n".join(lines)
+
+
+class MemorySnapshot:
+    """Starts recording at the first micro-batch of optimizer step `at` and writes at the first one after it (or
+    at `close`, where training ends inside the window). A failure is logged, never raised into training."""
+
+    def __init__(self, run_dir: Path, at: int, accumulation: int = 1, rank: int = 0, memory: Any = None) -> None:
+        if at < 1:
+            raise ValueError(f"logging.memory_snapshot_at must be >= 1, got {at}")
+        self.out_dir = Path(run_dir) / "memory"
+        self.at = at
+        self.first = (at - 1) * accumulation + 1  # micro-batch numbers, 1-based
+        self.stop_at = self.first + accumulation
+        self.rank = rank
+        self._memory = memory  # torch.cuda.memory, or a stand-in for tests
+        self._device: Any = None
+        self.text: str | None = None
+
+    def on_batch(self, micro_step: int, device: Any) -> bool:
+        """Call at the start of every micro-batch; returns True when it just wrote the snapshot."""
+        if micro_step == self.first and self._device is None:
+            self._start(device)
+        elif micro_step == self.stop_at and self._device is not None:
+            return self.close()
+        return False
+
+    def _start(self, device: Any) -> None:
+        if getattr(device, "type", "") != "cuda":
+            log.info("logging.memory_snapshot_at: the run is not on a CUDA device; no memory snapshot")
+            self.at = None
+            return
+        try:
+            # Python frames only: symbolising C++ stacks ("all") can take minutes at a full-size step's allocations
+            self._mem()._record_memory_history(enabled="all", stacks="python", device=device)
+            self._device = device
+        except Exception as e:  # noqa: BLE001 - a diagnostic; the run it observes goes on
+            log.warning("memory snapshot not recorded: %s: %s", type(e).__name__, e)
+
+    def close(self) -> bool:
+        """Write the snapshot and its summary and stop recording; False where nothing was recording."""
+        if self._device is None:
+            return False
+        mem, device, self._device = self._mem(), self._device, None
+        try:
+            snapshot = mem._snapshot(device)
+            mem._record_memory_history(enabled=None, device=device)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            path = self.out_dir / f"snapshot-rank{self.rank}.pickle"
+            with open(path, "wb") as f:
+                pickle.dump(snapshot, f)
+            index = getattr(device, "index", None) or 0
+            traces = snapshot.get("device_traces", [])
+            self.text = summary(self.at, traces[index] if index < len(traces) else [])
+            (self.out_dir / f"peak-rank{self.rank}.txt").write_text(self.text + "\n")
+            log.info("%s\n(snapshot %s: open it at https://pytorch.org/memory_viz)", self.text, path)
+            return True
+        except Exception as e:  # noqa: BLE001 - see _start
+            log.warning("memory snapshot not written: %s: %s", type(e).__name__, e)
+            return False
+
+    def _mem(self) -> Any:
+        if self._memory is None:
+            import torch
+
+            self._memory = torch.cuda.memory
+        return self._memory

@@ -1,0 +1,89 @@
+"""`logging.memory_snapshot_at`: one optimizer step's CUDA allocations recorded and summarised (a stand-in for
+torch.cuda.memory here; the real recorder needs a GPU)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import torch
+
+from flux_trainer.metrics.memory_snapshot import MemorySnapshot, peak_live, summary, where
+
+GIB = 2**30
+TORCH = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 10, "name": "linear"}
+FOLD = {"filename": "/repo/kernels/lora_fold.py", "line": 92, "name": "forward"}
+BLOCK = {"filename": "/sd/library/flux_models.py", "line": 700, "name": "_forward"}
+
+
+def alloc(addr, gib, *frames):
+    return {"action": "alloc", "addr": addr, "size": int(gib * GIB), "frames": list(frames)}
+
+
+def free(addr):
+    return {"action": "free_completed", "addr": addr}
+
+
+# two tensors from the fold and one from the block live together at 3.5 GiB; later a larger one alone (3 GiB)
+TRACE = [
+    alloc(1, 1.0, TORCH, FOLD, BLOCK),
+    alloc(2, 1.5, TORCH, FOLD),
+    {"action": "free_requested", "addr": 1},  # requested on a stream: still live until completed
+    alloc(3, 1.0, BLOCK),
+    free(1),
+    free(2),
+    free(3),
+    alloc(4, 3.0, BLOCK),
+    free(99),  # allocated before the recording started: not counted
+]
+
+
+def test_where_is_the_first_frame_outside_torch():
+    assert where([TORCH, FOLD, BLOCK]) == "lora_fold.py:92 (forward)"
+    assert where([TORCH]) == "functional.py:10 (linear)"
+    assert where([]) == "?"
+
+
+def test_peak_live_groups_what_was_live_at_the_peak_by_where_it_was_allocated():
+    peak, end, groups = peak_live(TRACE)
+    assert peak == int(3.5 * GIB) and end == 3 * GIB
+    assert groups == {"lora_fold.py:92 (forward)": (int(2.5 * GIB), 2), "flux_models.py:700 (_forward)": (GIB, 1)}
+    text = summary(7, TRACE)
+    assert text.startswith("memory of step 7: 3.50 GiB allocated within the step and live at its peak (3.00 GiB")
+    assert text.splitlines()[1].split() == ["2.500", "GiB", "2", "tensors", "lora_fold.py:92", "(forward)"]
+
+
+class FakeMemory:
+    def __init__(self):
+        self.calls = []
+
+    def _record_memory_history(self, enabled, device, **opts):
+        self.calls.append(enabled)
+
+    def _snapshot(self, device):
+        return {"segments": [], "device_traces": [TRACE]}
+
+
+def test_records_one_optimizer_step_and_writes_the_snapshot_and_its_peak(tmp_path, caplog):
+    mem = FakeMemory()
+    snap = MemorySnapshot(tmp_path, at=2, accumulation=2, memory=mem)  # micro-batches 3 and 4 are step 2
+    cuda = torch.device("cuda", 0)
+    assert [snap.on_batch(i, cuda) for i in (1, 2, 3, 4)] == [False] * 4
+    assert mem.calls == ["all"]
+    with caplog.at_level(logging.INFO):
+        assert snap.on_batch(5, cuda)
+    assert mem.calls == ["all", None] and not snap.close()  # written once, recording off
+    assert pickle.loads((tmp_path / "memory" / "snapshot-rank0.pickle").read_bytes())["device_traces"] == [TRACE]
+    peak = (tmp_path / "memory" / "peak-rank0.txt").read_text()
+    assert peak.startswith("memory of step 2: 3.50 GiB") and "memory_viz" in caplog.text
+
+
+def test_a_run_that_ends_inside_the_step_writes_at_close_and_a_cpu_run_records_nothing(tmp_path, caplog):
+    mem = FakeMemory()
+    snap = MemorySnapshot(tmp_path / "a", at=1, memory=mem)
+    snap.on_batch(1, torch.device("cuda", 0))
+    assert snap.close() and mem.calls == ["all", None]
+    cpu = MemorySnapshot(tmp_path / "b", at=1, memory=FakeMemory())
+    with caplog.at_level(logging.INFO):
+        assert not any(cpu.on_batch(i, torch.device("cpu")) for i in (1, 2, 3))
+    assert cpu._memory.calls == [] and not (tmp_path / "b").exists() and "not on a CUDA device" in caplog.text
