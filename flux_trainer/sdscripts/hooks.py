@@ -224,7 +224,8 @@ class RunHooks:
             # a new step: the graphs' outputs from the last one are dead (sd-scripts set the gradients to None)
             torch.compiler.cudagraph_mark_step_begin()
         if self.memory_snapshot is not None and accelerator is not None:
-            self.memory_snapshot.on_batch(self._micro_steps, accelerator.device)
+            if self.memory_snapshot.on_batch(self._micro_steps, accelerator.device):
+                self.run_text(accelerator, "memory", self.memory_snapshot.text)
         if self.profiler is not None and accelerator is not None:
             if self.profiler.on_batch(self._micro_steps, accelerator.device):
                 self.profile_written(accelerator)
@@ -281,7 +282,8 @@ class RunHooks:
         if self.profiler is not None and self._max_steps and global_step >= self._max_steps and self.profiler.close():
             self.profile_written(accelerator)
         if self.memory_snapshot is not None and self._max_steps and global_step >= self._max_steps:
-            self.memory_snapshot.close()  # the last step's allocations, not the final save's
+            if self.memory_snapshot.close():  # the last step's allocations, not the final save's
+                self.run_text(accelerator, "memory", self.memory_snapshot.text)
         if self.norms is not None:
             self.norms.label(global_step)
             self.norms.flush(accelerator.log)
@@ -362,8 +364,8 @@ class RunHooks:
         """sd-scripts' train() returned or raised: close a profile window the run ended inside. Runs in a `finally`,
         so a failure here is logged, never raised over the exception that ended training."""
         try:
-            if self.memory_snapshot is not None:
-                self.memory_snapshot.close()
+            if self.memory_snapshot is not None and self.memory_snapshot.close():
+                self.run_text(self._accelerator, "memory", self.memory_snapshot.text)
             if self.profiler is not None and self.profiler.close():
                 self.profile_written(self._accelerator)
         except Exception as e:  # noqa: BLE001 - see above
@@ -373,11 +375,17 @@ class RunHooks:
         if not getattr(accelerator, "is_main_process", True):
             return
         log.info("profile of %d step(s) in %s:\n%s", self.profiler.steps, self.profiler.out_dir, self.profiler.text)
+        self.run_text(accelerator, "profile", self.profiler.text)
+
+    def run_text(self, accelerator: Any, name: str, text: str | None) -> None:
+        """TensorBoard text `run/<name>` from the main process, where its tracker has a log dir."""
+        if text is None or not getattr(accelerator, "is_main_process", True):
+            return
         logdir = tracker_logdir(accelerator)
         if logdir is not None:
             from flux_trainer.metrics.tensorboard import write_run_text
 
-            write_run_text(logdir, {"profile": self.profiler.text})
+            write_run_text(logdir, {name: text})
 
     def log_new_samples(self, accelerator: Any, sample_dir: Path, global_step: int) -> list[str]:
         """Images sd-scripts just rendered into <output_dir>/sample, as TensorBoard images (`samples/<n>`)."""
