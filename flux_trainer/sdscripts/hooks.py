@@ -361,8 +361,9 @@ class RunHooks:
             log.info("cuda graphs: every compiled block replays from CUDA graphs")
 
     def train_finished(self) -> None:
-        """sd-scripts' train() returned or raised: close a profile window the run ended inside. Runs in a `finally`,
-        so a failure here is logged, never raised over the exception that ended training."""
+        """sd-scripts' train() returned or raised: close a memory recording or profile window the run ended inside
+        (each writes what it saw). Runs in a `finally`, so a failure here is logged, never raised over the exception
+        that ended training."""
         try:
             if self.memory_snapshot is not None and self.memory_snapshot.close():
                 self.run_text(self._accelerator, "memory", self.memory_snapshot.text)
