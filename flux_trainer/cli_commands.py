@@ -132,7 +132,7 @@ def runs_command(root: Path) -> int:
         return "-" if value is None else format(value, spec)
 
     header = f"{'run':<40} {'steps':>6} {'last loss':>10} {'s/step':>8} {'peak VRAM':>10} {'TFLOP/s':>8}"
-    header += f" {'start-up':>9}"  # command to the first step's end
+    header += f" {'W':>4} {'SM MHz':>6} {'start-up':>9}"  # the card's medians; command to the first step's end
     print(header + "\n" + "-" * len(header))
     for run_dir in run_dirs:
         s = summarize_run(run_dir)
@@ -140,7 +140,8 @@ def runs_command(root: Path) -> int:
         startup = "-" if s.startup_s is None else f"{s.startup_s:.1f} s"
         print(
             f"{name:<40} {s.steps_done:>6} {fmt(s.last_loss, '.4f'):>10} {fmt(s.median_step_s, '.3f'):>8} "
-            f"{fmt(s.peak_vram_gib, '.1f'):>8} G {fmt(s.median_tflops, '.0f'):>8} {startup:>9}"
+            f"{fmt(s.peak_vram_gib, '.1f'):>8} G {fmt(s.median_tflops, '.0f'):>8} {fmt(s.median_power_w, '.0f'):>4} "
+            f"{fmt(s.median_sm_clock_mhz, '.0f'):>6} {startup:>9}"
         )
     print(f"\ncompare: tensorboard --logdir {root}")
     return 0

@@ -199,6 +199,10 @@ class RunSummary:
     started: float | None
     updated: float | None
     startup_s: float | None = None  # command to the first step's end (the latest process's, for a resumed run)
+    # the card's power draw and SM clock over the steps (medians of gpu/power_w, gpu/sm_clock_mhz): a card at its
+    # power limit runs below its boost clock, which explains two runs of one setting on two cards
+    median_power_w: float | None = None
+    median_sm_clock_mhz: float | None = None
 
 
 def _event_dirs(root: str | os.PathLike[str]) -> list[str]:
@@ -249,6 +253,8 @@ def _summarize(path: str, dirs: list[str]) -> RunSummary:
         started=min(walls) if walls else None,
         updated=max(walls) if walls else None,
         startup_s=max(scalars["time/startup_s"], key=lambda e: e[0])[2] if scalars.get("time/startup_s") else None,
+        median_power_w=median("gpu/power_w"),
+        median_sm_clock_mhz=median("gpu/sm_clock_mhz"),
     )
 
 

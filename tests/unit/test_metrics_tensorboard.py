@@ -79,10 +79,15 @@ def test_summarize_run_nested_and_prefers_loss_current(tmp_path):
     assert s.gpu == "NVIDIA GeForce RTX 4090"
     assert s.started is not None and s.updated is not None and s.started <= s.updated
     assert s.startup_s is None  # a run from before the start-up line
+    assert s.median_power_w is None and s.median_sm_clock_mhz is None  # no NVML readings (a CPU run)
     with SummaryWriter(str(run / "logs" / "a" / "network_train")) as w:  # a process, then its resume
         w.add_scalar("time/startup_s", 31.5, 1, walltime=1000.0)
         w.add_scalar("time/startup_s", 22.25, 6, walltime=2000.0)
-    assert summarize_run(run).startup_s == 22.25
+        for step, (watts, mhz) in enumerate([(250.0, 1980.0), (690.0, 1755.0), (700.0, 1650.0)], 1):
+            w.add_scalar("gpu/power_w", watts, step)
+            w.add_scalar("gpu/sm_clock_mhz", mhz, step)
+    s = summarize_run(run)
+    assert (s.startup_s, s.median_power_w, s.median_sm_clock_mhz) == (22.25, 690.0, 1755.0)
 
 
 def test_summarize_accepts_other_loss_tags_and_missing_run(tmp_path):
