@@ -3,7 +3,8 @@ and whether bf16 and fp8 matmuls give the right numbers on it.
 
 The first three (`gpu_identity`, `driver_check`, `torch_build_check`) read only the `DeviceInfo` that
 `flux_trainer.launch.device.detect_device` made, so they run in microseconds and are testable with any made-up
-card. `bf16_check` and `fp8_check` run tiny kernels on the real device (torch is imported only there).
+card. `bf16_check` and `fp8_check` run tiny kernels on the real device (torch is imported only there), and
+`power_limit_check` reads the real card's power limit through NVML.
 """
 
 from __future__ import annotations
@@ -286,11 +287,38 @@ def fp8_check(info: DeviceInfo, tolerance: float = 1e-2, device=None) -> CheckRe
     return CheckResult("fp8 matmul", PASS, f"64x128x96 e4m3 -> bf16: max rel. error {err:.1e}", "", GROUP, data)
 
 
+def power_limit_check(info: DeviceInfo, nvml=None) -> CheckResult:
+    """A card whose power limit is set below its default trains slower: FLUX LoRA steps run at the limit (the lent
+    H200 drew 685-702 W of its 700 W default, its SM clock at 1605-1785 of 1980 MHz). `nvml`: an NvmlReader (tests)."""
+    check = "power limit"
+    if not info.is_gpu:
+        return CheckResult(check, SKIP, "no GPU", "", GROUP)
+    if nvml is None:
+        from flux_trainer.metrics.nvml import NvmlReader
+
+        nvml = NvmlReader(info.index)
+    limits = nvml.power_limits_w()
+    if limits is None:
+        return CheckResult(check, SKIP, "NVML does not say (no nvidia-ml-py, or the board keeps it)", "", GROUP)
+    limit, default = limits
+    data = {"limit_w": limit, "default_w": default}
+    if limit < 0.95 * default:
+        return CheckResult(
+            check,
+            WARN,
+            f"{limit:.0f} W, below the card's default {default:.0f} W: training steps run at the limit, so slower",
+            f"restore the default (sudo nvidia-smi -i {info.index} -pl {default:.0f}) or expect slower steps",
+            GROUP,
+            data,
+        )
+    return CheckResult(check, PASS, f"{limit:.0f} W (the card's default {default:.0f} W)", "", GROUP, data)
+
+
 def identity_checks(info: DeviceInfo) -> list[CheckResult]:
     """The no-kernel part: identity, driver, torch build."""
     return [gpu_identity(info), driver_check(info), torch_build_check(info)]
 
 
 def runtime_checks(info: DeviceInfo) -> list[CheckResult]:
-    """The tiny-kernel part: bf16 and fp8 matmuls on the device."""
-    return [bf16_check(info), fp8_check(info)]
+    """The real-device part: bf16 and fp8 matmuls on it, its power limit."""
+    return [bf16_check(info), fp8_check(info), power_limit_check(info)]

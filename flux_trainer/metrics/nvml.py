@@ -103,6 +103,16 @@ class NvmlReader:
         except Exception:
             return None
 
+    def power_limits_w(self) -> tuple[float, float] | None:
+        """The power limit the board enforces and its default, in watts; None where NVML does not say."""
+        if not self.available:
+            return None
+        try:
+            n, h = self._nvml, self._handle
+            return n.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0, n.nvmlDeviceGetPowerManagementDefaultLimit(h) / 1000.0
+        except Exception:
+            return None
+
     def close(self) -> None:
         """Shut NVML down if we started it."""
         if self._state == "ready":

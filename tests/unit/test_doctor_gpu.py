@@ -219,3 +219,41 @@ def test_a_measurement_that_fails_is_a_warning_not_a_crash():
 
     row = doctor_speed.matmul_speed(card("NVIDIA H200", (9, 0)), n=8, device="cpu", timer=oom)
     assert row.status == "warn" and "out of memory" in row.evidence
+
+
+class Limits:
+    """An NvmlReader stand-in: the enforced and default power limits, or None where NVML does not say."""
+
+    def __init__(self, limits):
+        self.limits = limits
+
+    def power_limits_w(self):
+        return self.limits
+
+
+def test_a_power_limit_below_the_cards_default_warns_with_the_command_that_restores_it():
+    h200 = card("NVIDIA H200", (9, 0))
+    row = doctor_gpu.power_limit_check(h200, Limits((400.0, 700.0)))
+    assert row.status == "warn" and row.evidence.startswith("400 W, below the card's default 700 W")
+    assert "nvidia-smi -i 0 -pl 700" in row.fix and row.data == {"limit_w": 400.0, "default_w": 700.0}
+    assert doctor_gpu.power_limit_check(h200, Limits((700.0, 700.0))).status == "pass"
+    assert doctor_gpu.power_limit_check(h200, Limits((670.0, 700.0))).status == "pass"  # within 5%
+    assert doctor_gpu.power_limit_check(h200, Limits(None)).status == "skip"
+    assert doctor_gpu.power_limit_check(DeviceInfo.cpu()).status == "skip"
+
+
+def test_the_power_limits_through_nvml():
+    from types import SimpleNamespace
+
+    from flux_trainer.metrics.nvml import NvmlReader
+
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: "h",
+        nvmlDeviceGetHandleByIndex=lambda i: "h",
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 575_000,
+        nvmlDeviceGetPowerManagementDefaultLimit=lambda h: 600_000,
+    )
+    assert NvmlReader(0, nvml=fake).power_limits_w() == (575.0, 600.0)
+    del fake.nvmlDeviceGetPowerManagementDefaultLimit  # a board that does not report it
+    assert NvmlReader(0, nvml=fake).power_limits_w() is None
