@@ -292,7 +292,7 @@ def power_limit_check(info: DeviceInfo, nvml=None) -> CheckResult:
     H200 drew 685-702 W of its 700 W default, its SM clock at 1605-1785 of 1980 MHz). `nvml`: an NvmlReader (tests)."""
     check = "power limit"
     if not info.is_gpu:
-        return CheckResult(check, SKIP, "no GPU", "", GROUP)
+        return CheckResult(check, SKIP, "no CUDA GPU", "", GROUP)
     if nvml is None:
         from flux_trainer.metrics.nvml import NvmlReader
 
