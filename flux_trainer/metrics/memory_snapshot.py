@@ -37,23 +37,30 @@ def where(frames: list[dict]) -> str:
 
 def peak_live(trace: list[dict]) -> tuple[int, int, dict[str, tuple[int, int]]]:
     """From one device's allocation trace (snapshot["device_traces"][i]): the peak of the bytes allocated within the
-    trace and still live, the bytes live at its end, and at the peak, per `where`, (bytes, tensors)."""
-    live: dict[int, tuple[int, str]] = {}
+    trace and still live, the bytes live at its end, and at the peak, per `where`, (bytes, tensors). Two passes:
+    the first finds the peak's event, the second replays the trace up to it."""
+    sizes: dict[int, int] = {}
     total = peak = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    for e in trace:
-        action = e.get("action")
-        if action == "alloc":
-            live[e["addr"]] = (e["size"], where(e.get("frames", [])))
+    peak_at = -1
+    for i, e in enumerate(trace):
+        if e.get("action") == "alloc":
+            sizes[e["addr"]] = e["size"]
             total += e["size"]
             if total > peak:
-                peak, at_peak = total, dict(live)
-        elif action == "free_completed" and e["addr"] in live:
-            total -= live.pop(e["addr"])[0]
+                peak, peak_at = total, i
+        elif e.get("action") == "free_completed" and e["addr"] in sizes:
+            total -= sizes.pop(e["addr"])
+    live: dict[int, dict] = {}
+    for e in trace[: peak_at + 1]:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e
+        elif e.get("action") == "free_completed":
+            live.pop(e["addr"], None)
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, place in at_peak.values():
-        groups[place][0] += size
-        groups[place][1] += 1
+    for e in live.values():
+        group = groups[where(e.get("frames", []))]
+        group[0] += e["size"]
+        group[1] += 1
     return peak, total, {k: (v[0], v[1]) for k, v in groups.items()}
 
 
@@ -95,7 +102,6 @@ class MemorySnapshot:
     def _start(self, device: Any) -> None:
         if getattr(device, "type", "") != "cuda":
             log.info("logging.memory_snapshot_at: the run is not on a CUDA device; no memory snapshot")
-            self.at = None
             return
         try:
             # Python frames only: symbolising C++ stacks ("all") can take minutes at a full-size step's allocations
