@@ -21,7 +21,12 @@ compiled anew in every run (H100, warm cache: "autograd 2 hit / 0 miss / 1 bypas
 4.2 s of compiling in the first step). Its key is the traced graph, forward and backward bodies included: a change
 in what a backward computes is a miss (a CPU test changes one and sees the miss). `install` turns the setting on
 for the process, `remove` puts it back. With it, a warm H100 run logged "autograd 3 hit / 0 miss / 0 bypass" (the
-double and the single block, and the registry's compile probe before training, which the run log now names apart)."""
+double and the single block, and the registry's compile probe before training, which the run log now names apart).
+
+Plainly checkpointed blocks recompute everything, the ops inside those autograd.Functions included: `install` routes
+the blocks' checkpoint calls through flux_kernels.selective_checkpoint's hook, which gives a block that does not
+checkpoint selectively a recompute-everything context (torch 2.11 saved what the autograd.Functions compute: ~11 GiB
+a step with lora_fold at 1024², ~3 GiB with single_qkv; see there). `remove` undoes it."""
 
 from __future__ import annotations
 
@@ -116,10 +121,24 @@ def install(model: nn.Module, **opts) -> str:
     rng = prefer_cacheable_rng(cuda_graphs=graphs or bool(fused))
     combo = "combo kernels" if chosen.get("combo_kernels") else None
     cached = cache_autograd_functions()
-    notes = [n for n in (rng, cached, _one_double_variant(model, double), combo, graphs and _graph_record()) if n]
+    routed = _route_checkpoints(model)
+    one_double = _one_double_variant(model, double)
+    notes = [n for n in (rng, cached, routed, one_double, combo, graphs and _graph_record()) if n]
     if fused:
         notes.append(f"{', '.join(fused)}: inductor's code inside the compiled blocks, see flux_kernels.fast.TRACED")
     return f"compile_blocks: {len(double)} double + {len(single)} single blocks" + "".join(f" ({n})" for n in notes)
+
+
+def _route_checkpoints(model: nn.Module) -> str | None:
+    """The blocks' checkpoint calls through selective_checkpoint's hook, so that a plainly checkpointed block
+    recomputes everything on every torch, the ops inside autograd.Functions included (see
+    flux_kernels.selective_checkpoint). A note for the install line where the blocks checkpoint."""
+    from flux_kernels import selective_checkpoint as sac
+
+    why = sac.route(model)
+    if not getattr(model, "gradient_checkpointing", False):
+        return None
+    return "plainly checkpointed blocks recompute all their ops" if why is None else f"checkpoints not routed: {why}"
 
 
 def _graph_record() -> str:
@@ -159,8 +178,10 @@ def _hold_run_backend(block: nn.Module) -> None:
 def remove(model: nn.Module) -> list[str]:
     """Undo `install`: the blocks run uncompiled, the hooks go, torch's settings are put back."""
     from flux_kernels import graph_record
+    from flux_kernels import selective_checkpoint as sac
     from flux_kernels.patch import block_kind
 
+    sac.unroute(model)
     undone = ["compile_rng"] if restore() else []
     undone += ["compile_autograd_cache"] if restore_autograd_functions() else []
     undone += ["graph_record"] if graph_record.remove() else []

@@ -162,17 +162,18 @@ def has_lora(model) -> tuple[bool, str]:
 
 def has_wide_lora(model) -> tuple[bool, str]:
     """`auto` folds the LoRA where there are layers to fold and the model does not checkpoint its blocks: measured
-    faster without checkpointing (vram80). With checkpointing it must be named: with plainly checkpointed blocks
-    the fold's steps peaked ~11 GiB higher on an H200 (39.2 against 27.5 GiB at 1024², not explained), so at vram48
-    memory.checkpoint_skip=auto planned no room (56 of 57 blocks checkpointed, none selectively: 0.452 against
-    0.430 s/step), and at vram32 (32 GiB cap) the fold ran out of memory."""
+    faster without checkpointing (vram80). With checkpointing it must be named: on an H200 at 1024² the vram48
+    default ran 0.4314 s/step with the fold against 0.4250 without (its selectively checkpointed blocks keep more,
+    so the planner keeps fewer blocks), vram32 0.5192 against 0.5210. (The ~11 GiB it once added under plain
+    checkpointing was torch 2.11 saving what autograd.Functions compute: compile_blocks' routing, see
+    flux_kernels.selective_checkpoint.)"""
     n = len(lora_fold.candidates(model))
     if not n:
         return False, f"no plain LoRA on a frozen Linear with {lora_fold.FOLDABLE}"
     if getattr(model, "blocks_to_swap", None):
         return False, "block swap is on (it moves the frozen weights every step)"
     if getattr(model, "gradient_checkpointing", False):
-        return False, "gradient checkpointing is on (measured without it only: name lora_fold to use it)"
+        return False, "gradient checkpointing is on (not faster there at the default tiers: name lora_fold to use it)"
     return True, f"{n} LoRA Linear layers with {lora_fold.FOLDABLE}"
 
 

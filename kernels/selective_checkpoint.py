@@ -21,6 +21,14 @@ module from torch.utils.checkpoint. `install` points that module's name at `chec
 selective-checkpoint `context_fn` (torch.utils.checkpoint.create_selective_checkpoint_contexts) for the blocks of
 the installed model and leaves every other call as it was. torch.compile (compile_blocks) traces the policy into
 the compiled graph: its partitioner saves what the policy marks MUST_SAVE. Nothing here imports sd-scripts.
+
+Plainly checkpointed blocks of a compiled model go through the same hook (`route`, which compile_blocks calls): they
+get a context whose policy recomputes everything, which is what plain checkpointing means. torch 2.13 does exactly
+that itself for a checkpoint without a context_fn, so that its tags reach the ops inside autograd.Functions; torch
+2.11 tags the region's ops through FX metadata instead, which misses them, and the partitioner then saved whatever
+single_qkv's and lora_fold's autograd.Functions compute (H200, torch 2.11, 1024², every block checkpointed plainly:
+the fold's steps peaked at 39.2 GiB against 27.5 without it, 38 linear1 outputs of 189 MiB live at the forward's
+end; single_qkv alone kept three [4608, 3072] tensors per single block, ~3 GiB).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from torch import Tensor, nn
 from flux_kernels import attention_fa4, fp8  # noqa: F401 - register the custom ops named in _ATTENTION and _FP8
 
 ATTR = "_flux_selective_checkpoint"  # on a block: keep its policy's outputs when checkpointed
+ROUTED = "_flux_checkpoint_routed"  # on a block: its checkpoint calls come through `checkpoint` below
 PATCHED = "_flux_selective_checkpoint_original"  # on a patched module: the `checkpoint` it had
 RATIO = 4  # a matmul's output is kept when its contracted dimension is at least RATIO x its output width
 
@@ -109,14 +118,27 @@ def policy_hash() -> str:
 contexts.cache_hash = policy_hash()
 
 
+def recompute_all(ctx, op, *args, **kwargs) -> tuc.CheckpointPolicy:
+    return tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def plain_contexts():
+    """The context_fn of a plainly checkpointed block: everything recomputed (see the module's docstring)."""
+    return tuc.create_selective_checkpoint_contexts(recompute_all)
+
+
+plain_contexts.cache_hash = "recompute_all"
+
+
 def checkpoint(function, *args, **kwargs):
-    """torch.utils.checkpoint.checkpoint, with `contexts` for the installed model's blocks (non-reentrant calls
-    without a context_fn of their own); any other call is passed through unchanged."""
+    """torch.utils.checkpoint.checkpoint, with `contexts` for the blocks that checkpoint selectively and
+    `plain_contexts` for the other routed blocks (non-reentrant calls without a context_fn of their own); any other
+    call is passed through unchanged."""
     # not getattr(function, "__self__", None): torch.compile (2.13) reads that as None for a bound method
     block = function.__self__ if isinstance(function, types.MethodType) else None
     theirs = kwargs.get("use_reentrant", True) is not False or kwargs.get("context_fn") is not None
-    if not theirs and getattr(block, ATTR, False):
-        kwargs["context_fn"] = contexts
+    if not theirs and getattr(block, ROUTED, False):
+        kwargs["context_fn"] = contexts if getattr(block, ATTR, False) else plain_contexts
     return tuc.checkpoint(function, *args, **kwargs)
 
 
@@ -126,10 +148,11 @@ def _modules_of(blocks: list[nn.Module]) -> list:
     return list({id(m): m for m in found if m is not None}.values())
 
 
-def install(model: nn.Module, **_) -> str:
-    """Route the blocks' `checkpoint` calls through `checkpoint` above. Raises KernelError where the blocks' module
-    does not call torch.utils.checkpoint.checkpoint by that name (nothing to hook)."""
-    from flux_kernels.patch import KernelError, find_blocks
+def route(model: nn.Module) -> str | None:
+    """Send the blocks' `checkpoint` calls through `checkpoint` above (plainly, until a block's ATTR says
+    selectively). Returns why not (None: routed): the blocks' module must call torch.utils.checkpoint.checkpoint
+    by that name."""
+    from flux_kernels.patch import find_blocks
 
     double, single = find_blocks(model)
     blocks = double + single
@@ -137,18 +160,29 @@ def install(model: nn.Module, **_) -> str:
     hookable = [m for m in modules if getattr(m, "checkpoint", None) in (tuc.checkpoint, checkpoint)]
     if not blocks or len(hookable) != len(modules):
         found = ", ".join(sorted(m.__name__ for m in modules)) or "no FLUX blocks"
-        raise KernelError(
-            f"selective_checkpoint: the blocks' module ({found}) does not call torch.utils.checkpoint.checkpoint as "
-            "`checkpoint`; nothing to hook"
-        )
+        return f"the blocks' module ({found}) does not call torch.utils.checkpoint.checkpoint as `checkpoint`"
     for m in hookable:
         if m.checkpoint is not checkpoint:
             setattr(m, PATCHED, m.checkpoint)
             m.checkpoint = checkpoint
     for b in blocks:
-        setattr(b, ATTR, True)
+        setattr(b, ROUTED, True)
     contexts.cache_hash = policy_hash()
     _quiet_torch_warning()
+    return None
+
+
+def install(model: nn.Module, **_) -> str:
+    """Route the blocks' `checkpoint` calls through `checkpoint` above, selectively. Raises KernelError where the
+    blocks' module does not call torch.utils.checkpoint.checkpoint by that name (nothing to hook)."""
+    from flux_kernels.patch import KernelError, find_blocks
+
+    why = route(model)
+    if why is not None:
+        raise KernelError(f"selective_checkpoint: {why}; nothing to hook")
+    double, single = find_blocks(model)
+    for b in double + single:
+        setattr(b, ATTR, True)
     return (
         f"selective_checkpoint: {len(double)} double + {len(single)} single blocks keep their attention and "
         f"wide-input matmul outputs when checkpointed (K >= {RATIO}x N)"
@@ -171,16 +205,25 @@ def _quiet_torch_warning() -> None:
         logger.addFilter(_InPlaceWarning())
 
 
+def unroute(model: nn.Module) -> None:
+    """Undo `route` where `install` did not also make the blocks selective."""
+    if not any(ATTR in b.__dict__ for b in model.modules()):
+        remove(model)
+
+
 def remove(model: nn.Module) -> bool:
-    """Undo `install`: this model's blocks lose their switch and their module gets its `checkpoint` back (a block
-    of another model with the switch then checkpoints as sd-scripts does)."""
-    blocks = [b for b in model.modules() if ATTR in b.__dict__]
+    """Undo `install` and `route`: this model's blocks lose their switches and their module gets its `checkpoint`
+    back (a block of another model with the switches then checkpoints as sd-scripts does). True where blocks had
+    been installed selectively."""
+    blocks = [b for b in model.modules() if ATTR in b.__dict__ or ROUTED in b.__dict__]
+    selective = any(ATTR in b.__dict__ for b in blocks)
     for b in blocks:
-        delattr(b, ATTR)
+        b.__dict__.pop(ATTR, None)
+        b.__dict__.pop(ROUTED, None)
     for m in _modules_of(blocks):
         if PATCHED in m.__dict__:
             m.checkpoint = m.__dict__.pop(PATCHED)
-    return bool(blocks)
+    return selective
 
 
 # ---- the registry probe's pair: one region checkpointed both ways -------------------------------------------------

@@ -151,6 +151,45 @@ def test_selectively_checkpointed_graphs_stay_in_the_autograd_cache_keyed_on_the
     assert _cache_counts(fm)["miss"] == first["miss"]
 
 
+def test_compile_blocks_routes_plain_checkpointing_through_a_recompute_everything_context(
+    fm, tmp_path, monkeypatch, torch_config
+):
+    """torch 2.11 missed the ops inside autograd.Functions when it tagged a plainly checkpointed region (see
+    flux_kernels.selective_checkpoint; measured on the H200 in tests/gpu). compile_blocks routes such blocks
+    through `plain_contexts`: the same gradients and saved tensors as torch's own plain checkpointing here (2.13
+    does the same internally), graphs that stay in the autograd cache, and sd-scripts' `checkpoint` back after."""
+    from torch._dynamo.utils import counters
+
+    from flux_kernels import compile_blocks
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch_config(torch._inductor.config, fx_graph_cache=True)
+    torch_config(torch._functorch.config, enable_autograd_cache=True)
+    original = fm.checkpoint
+    torch._dynamo.reset()
+    plain = _model(fm, selective=False, compiled=True)
+    want, want_bytes = _grads(plain), saved_bytes(lambda: tiny_flux_forward(plain, img_tokens=64, txt_tokens=16), ())
+    torch._dynamo.reset()
+    model = _model(fm, selective=False)
+    before = dict(counters["aot_autograd"])
+    try:
+        assert "plainly checkpointed blocks recompute all their ops" in compile_blocks.install(model)
+        assert fm.checkpoint is sac.checkpoint
+        blocks = [*model.double_blocks, *model.single_blocks]
+        assert all(getattr(b, sac.ROUTED, False) and not getattr(b, sac.ATTR, False) for b in blocks)
+        got = _grads(model)  # `plain_contexts` for these blocks: test_calls_it_does_not_own_pass_through_unchanged
+        kept = saved_bytes(lambda: tiny_flux_forward(model, img_tokens=64, txt_tokens=16), ())
+        bypass = counters["aot_autograd"]["autograd_cache_bypass"] - before.get("autograd_cache_bypass", 0)
+    finally:
+        patch.remove_kernels(model)
+        torch._dynamo.reset()
+    assert fm.checkpoint is original
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert kept == want_bytes, (kept, want_bytes)
+    assert bypass == 0
+
+
 def test_install_hooks_only_the_installed_models_blocks_and_remove_restores(fm):
     original = fm.checkpoint
     model, other = _model(fm, selective=True), _model(fm, selective=False)
@@ -178,15 +217,21 @@ def test_calls_it_does_not_own_pass_through_unchanged(monkeypatch):
         def _forward(self, x):
             return x
 
-    block = Block()
+    block, plain = Block(), Block()
+    setattr(block, sac.ROUTED, True)
     setattr(block, sac.ATTR, True)
+    setattr(plain, sac.ROUTED, True)  # routed by compile_blocks, not selective (or the planner switched it off)
     x = torch.ones(2)
     sac.checkpoint(block._forward, x, use_reentrant=False)
+    sac.checkpoint(plain._forward, x, use_reentrant=False)
     sac.checkpoint(block._forward, x)  # reentrant: no context_fn there
     sac.checkpoint(Block()._forward, x, use_reentrant=False)  # another model's block
     sac.checkpoint(lambda y: y, x, use_reentrant=False)  # not a block's method
-    assert seen[0]["context_fn"] is sac.contexts
-    assert all("context_fn" not in k for k in seen[1:]) and len(seen) == 4
+    mine = {"use_reentrant": False, "context_fn": lambda: None}
+    sac.checkpoint(block._forward, x, **mine)  # a context of the caller's own
+    assert seen[0]["context_fn"] is sac.contexts and seen[1]["context_fn"] is sac.plain_contexts
+    assert all("context_fn" not in k for k in seen[2:5]) and seen[5]["context_fn"] is mine["context_fn"]
+    assert len(seen) == 6
 
 
 def test_auto_takes_it_only_where_blocks_are_checkpointed_on_the_card():
