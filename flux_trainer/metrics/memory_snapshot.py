@@ -4,7 +4,7 @@ peak, by where it was allocated.
 The step's allocations go to `<run>/memory/snapshot-rank<R>.pickle` (PyTorch's memory snapshot: drag it onto
 https://pytorch.org/memory_viz for the timeline), and `<run>/memory/peak-rank<R>.txt` lists the tensors allocated
 within the step that were still live when its allocated memory peaked, grouped by the first stack frame outside
-PyTorch (the line of sd-scripts, flux_kernels or inductor's generated code that asked for them). Tensors allocated
+PyTorch and inductor's generated code (the line of sd-scripts or flux_kernels that asked for them). Tensors allocated
 before the step (the weights, the optimizer state) are not in the recording; the summary says how much the step
 added on top of them. Blocks replayed from CUDA graphs draw on the graphs' own pool, which the recording does not
 show; `kernels.cuda_graphs=false` for a step whose blocks should be in it. On a device that is not CUDA it logs
@@ -23,14 +23,21 @@ log = logging.getLogger(__name__)
 
 GIB = 2**30
 TORCH_PARTS = ("/torch/", "\\torch\\")  # a frame in PyTorch's own package
+GENERATED_PARTS = ("torchinductor",)  # a frame in inductor's generated code (its cache dir: "torchinductor...")
 
 
 def where(frames: list[dict]) -> str:
-    """The first frame (innermost first, as the snapshot lists them) outside PyTorch's package, as file:line
-    (function); the innermost frame where every one is PyTorch's; "?" without frames."""
+    """The first frame (innermost first, as the snapshot lists them) outside PyTorch's package and inductor's
+    generated code (whose `call` line says nothing about the model's code that asked for the tensor), as
+    file:line (function); else the first outside PyTorch; else the innermost; "?" without frames."""
     if not frames:
         return "?"
-    frame = next((f for f in frames if not any(p in f.get("filename", "") for p in TORCH_PARTS)), frames[0])
+
+    def outside(frame: dict, parts: tuple[str, ...]) -> bool:
+        return not any(p in frame.get("filename", "") for p in parts)
+
+    ours = [f for f in frames if outside(f, TORCH_PARTS)]
+    frame = next((f for f in ours if outside(f, GENERATED_PARTS)), ours[0] if ours else frames[0])
     name = Path(frame.get("filename", "?")).name
     return f"{name}:{frame.get('line', '?')} ({frame.get('name', '?')})"
 

@@ -38,8 +38,14 @@ TRACE = [
 ]
 
 
-def test_where_is_the_first_frame_outside_torch():
+GENERATED = {"filename": "/cache/torchinductor/dp/cdp3jpc73.py", "line": 923, "name": "call"}
+
+
+def test_where_is_the_first_frame_outside_torch_and_inductors_generated_code():
     assert where([TORCH, FOLD, BLOCK]) == "lora_fold.py:92 (forward)"
+    # as on the H200: a compiled block's tensors come out of inductor's `call`, called from the model's code
+    assert where([TORCH, GENERATED, TORCH, FOLD, BLOCK]) == "lora_fold.py:92 (forward)"
+    assert where([TORCH, GENERATED]) == "cdp3jpc73.py:923 (call)"  # nothing else outside torch
     assert where([TORCH]) == "functional.py:10 (linear)"
     assert where([]) == "?"
 
