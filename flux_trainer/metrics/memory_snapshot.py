@@ -42,10 +42,11 @@ def where(frames: list[dict]) -> str:
     return f"{name}:{frame.get('line', '?')} ({frame.get('name', '?')})"
 
 
-def peak_live(trace: list[dict]) -> tuple[int, int, dict[str, tuple[int, int]]]:
+def peak_live(trace: list[dict]) -> tuple[int, int, dict[str, tuple[int, int]], float]:
     """From one device's allocation trace (snapshot["device_traces"][i]): the peak of the bytes allocated within the
-    trace and still live, the bytes live at its end, and at the peak, per `where`, (bytes, tensors). Two passes:
-    the first finds the peak's event, the second replays the trace up to it."""
+    trace and still live, the bytes live at its end, at the peak per `where` (bytes, tensors), and how far into the
+    trace the peak came (its event's position, 0-1: a checkpointed step's forward ends well before its backward).
+    Two passes: the first finds the peak's event, the second replays the trace up to it."""
     sizes: dict[int, int] = {}
     total = peak = 0
     peak_at = -1
@@ -68,14 +69,16 @@ def peak_live(trace: list[dict]) -> tuple[int, int, dict[str, tuple[int, int]]]:
         group = groups[where(e.get("frames", []))]
         group[0] += e["size"]
         group[1] += 1
-    return peak, total, {k: (v[0], v[1]) for k, v in groups.items()}
+    position = (peak_at + 1) / len(trace) if trace else 0.0
+    return peak, total, {k: (v[0], v[1]) for k, v in groups.items()}, position
 
 
 def summary(step: int, trace: list[dict], top: int = 12) -> str:
-    peak, end, groups = peak_live(trace)
+    peak, end, groups, position = peak_live(trace)
     lines = [
-        f"memory of step {step}: {peak / GIB:.2f} GiB allocated within the step and live at its peak "
-        f"({end / GIB:.2f} GiB of the step's allocations still live at its end); at the peak, by where allocated:"
+        f"memory of step {step}: {peak / GIB:.2f} GiB allocated within the step and live at its peak, "
+        f"{position:.0%} of the way through the step's {len(trace)} allocation events ({end / GIB:.2f} GiB of the "
+        "step's allocations still live at its end); at the peak, by where allocated:"
     ]
     for place, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {size / GIB:8.3f} GiB  {n:5d} tensors  {place}")

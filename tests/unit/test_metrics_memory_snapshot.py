@@ -51,11 +51,15 @@ def test_where_is_the_first_frame_outside_torch_and_inductors_generated_code():
 
 
 def test_peak_live_groups_what_was_live_at_the_peak_by_where_it_was_allocated():
-    peak, end, groups = peak_live(TRACE)
+    peak, end, groups, position = peak_live(TRACE)
     assert peak == int(3.5 * GIB) and end == 3 * GIB
     assert groups == {"lora_fold.py:92 (forward)": (int(2.5 * GIB), 2), "flux_models.py:700 (_forward)": (GIB, 1)}
+    assert position == 4 / 9  # the 4th of the trace's 9 events (the third allocation)
     text = summary(7, TRACE)
-    assert text.startswith("memory of step 7: 3.50 GiB allocated within the step and live at its peak (3.00 GiB")
+    assert text.startswith(
+        "memory of step 7: 3.50 GiB allocated within the step and live at its peak, 44% of the way through the "
+        "step's 9 allocation events (3.00 GiB"
+    )
     assert text.splitlines()[1].split() == ["2.500", "GiB", "2", "tensors", "lora_fold.py:92", "(forward)"]
 
 
