@@ -131,7 +131,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
         if not ok:
             raise ConfigError(why)
     resolve_memory(cfg, info)
-    cuda_graphs = cuda_graphs_decision(cfg, _gpus(cfg, info) * int(cfg.launcher.nodes), gpu=info.is_gpu)
+    cuda_graphs = cuda_graphs_decision(cfg, gpu=info.is_gpu)
     cuda_graphs_asked = cuda_graphs_setting(cfg) == "true"
     fp8_keep_transposed = fp8_keep_transposed_decision(cfg)
     combo_kernels = combo_kernels_decision(cfg)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from flux_kernels import (
     activation_offload,
     adamw,
+    coalesced_reduce,
     compile_blocks,
     fast,
     fp8,
@@ -153,6 +155,15 @@ def fp8_base_only(model) -> tuple[bool, str]:
 
 def any_applies(device) -> tuple[bool, str]:
     return True, f"plain PyTorch, any device ({as_device_info(device).name})"
+
+
+def several_processes(device) -> tuple[bool, str]:
+    """Whether this process trains beside others (WORLD_SIZE, which torch.distributed's launchers set, accelerate's
+    included): read before the process group exists."""
+    n = int(os.environ.get("WORLD_SIZE") or 1)
+    if n > 1:
+        return True, f"{n} processes"
+    return False, "one process: no gradient all-reduce to coalesce"
 
 
 def has_lora(model) -> tuple[bool, str]:
@@ -565,6 +576,15 @@ REGISTRY: dict[str, KernelSpec] = {
             single_process.install,
             check=lambda info: single_process.self_check(info.torch_device),
             target="trainer",
+        ),
+        KernelSpec(
+            "coalesced_reduce",
+            "with several processes, the LoRA gradients averaged by one all-reduce per dtype over a flat buffer "
+            "instead of sd-scripts' one per tensor (~600 collectives a step on FLUX), the same sums",
+            several_processes,
+            coalesced_reduce.install,
+            check=lambda info: coalesced_reduce.self_check(info.torch_device),
+            target="trainer",  # 2 H200s, vram80 auto: 608 all-reduces, 294 ms of NCCL kernels a step (README)
         ),
         KernelSpec(
             "selective_checkpoint",

@@ -29,6 +29,7 @@ KERNEL_NAMES = (
     "prodigy_step",
     "adamw_step",
     "single_process_reduce",
+    "coalesced_reduce",
     "selective_checkpoint",
     "compile_blocks",
     "activation_offload",

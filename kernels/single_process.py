@@ -5,7 +5,8 @@ sd-scripts averages the network's gradients over processes itself after every ba
 nobody to talk to, but it still clones the tensor and divides the clone by the process count: for a FLUX LoRA (608
 tensors) ~1.2k small kernels and their Python every step, at the end of the backward, where the step waits for them
 (H200 profile: ~2 ms of copies and divisions before the optimizer). Dividing by 1 is exact, so leaving the gradients
-as they are gives the same bits. With more than one process the trainer's own reduce runs, unchanged.
+as they are gives the same bits. With more than one process the method it wrapped runs (coalesced_reduce's, where
+installed: both wrap the trainer's method through wrap_reduce).
 
 Duck-typed on the trainer (an `all_reduce_network(accelerator, network)` method) and the accelerator (its
 `num_processes`); nothing here imports sd-scripts.
@@ -20,26 +21,42 @@ ATTR = "_flux_single_process_reduce"  # on the trainer: its own all_reduce_netwo
 
 def install(trainer) -> str:
     """Wrap `trainer.all_reduce_network` so that it does nothing when the accelerator has one process."""
-    reduce = getattr(trainer, "all_reduce_network", None)
-    if not callable(reduce):
-        raise ValueError(f"single_process_reduce: {type(trainer).__name__} has no all_reduce_network")
-    if ATTR in trainer.__dict__:
-        return "single_process_reduce: already installed"
 
-    def all_reduce_network(accelerator, network):
-        if getattr(accelerator, "num_processes", 1) == 1:
-            return None
-        return reduce(accelerator, network)
+    def wrapper(previous):
+        def all_reduce_network(accelerator, network):
+            if getattr(accelerator, "num_processes", 1) == 1:
+                return None
+            return previous(accelerator, network)
 
-    trainer.__dict__[ATTR] = trainer.__dict__.get("all_reduce_network")
-    trainer.all_reduce_network = all_reduce_network
-    return "single_process_reduce: the gradient all-reduce runs only with more than one process"
+        return all_reduce_network
+
+    return wrap_reduce(
+        trainer, ATTR, wrapper, "single_process_reduce", "the gradient all-reduce runs only with more than one process"
+    )
 
 
 def uninstall(trainer) -> bool:
-    if ATTR not in trainer.__dict__:
+    return unwrap_reduce(trainer, ATTR)
+
+
+def wrap_reduce(trainer, attr: str, wrapper, name: str, line: str) -> str:
+    """Replace the instance's `all_reduce_network` with `wrapper(the method it had)`, noting the old one under
+    `attr` for unwrap_reduce; returns `name: line` (or that it was installed already)."""
+    reduce = getattr(trainer, "all_reduce_network", None)
+    if not callable(reduce):
+        raise ValueError(f"{name}: {type(trainer).__name__} has no all_reduce_network")
+    if attr in trainer.__dict__:
+        return f"{name}: already installed"
+    trainer.__dict__[attr] = trainer.__dict__.get("all_reduce_network")
+    trainer.all_reduce_network = wrapper(reduce)
+    return f"{name}: {line}"
+
+
+def unwrap_reduce(trainer, attr: str) -> bool:
+    """Undo wrap_reduce (the class's method again where the instance had none of its own)."""
+    if attr not in trainer.__dict__:
         return False
-    previous = trainer.__dict__.pop(ATTR)
+    previous = trainer.__dict__.pop(attr)
     if previous is None:
         del trainer.all_reduce_network
     else:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -154,3 +159,63 @@ def tiny_flux_forward(
     m = None if m is None else m.to(device)
     return model(img=img, img_ids=ids[0], txt=txt, txt_ids=ids[1], timesteps=t, y=y, guidance=guidance,
                  txt_attention_mask=m)  # fmt: skip
+
+
+TWO_PROCESS_REDUCE = textwrap.dedent(
+    """
+    import importlib, sys
+    import torch
+    from accelerate import Accelerator
+    from flux_kernels import coalesced_reduce
+    from flux_trainer.sdscripts.checkout import import_sd_scripts
+    import_sd_scripts(sys.argv[1])  # as the runner imports it (its torchvision stand-in where there is none)
+    train_network = importlib.import_module("train_network")
+    acc = Accelerator(cpu=sys.argv[3] == "cpu")
+    rank = acc.process_index
+    gen = torch.Generator().manual_seed(rank)  # each process its own gradients
+    net = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.Linear(17, 5, bias=False)).to(acc.device)
+    for p in net.parameters():
+        p.grad = (torch.randn(p.shape, generator=gen) * (rank + 1)).to(acc.device)
+    grads = [p.grad.clone() for p in net.parameters()]
+    trainer = train_network.NetworkTrainer()
+    trainer.all_reduce_network(acc, net)  # sd-scripts' own: one accelerate reduce per tensor
+    theirs = [p.grad.clone() for p in net.parameters()]
+    for p, g in zip(net.parameters(), grads):
+        p.grad = g.clone()
+    coalesced_reduce.install(trainer)
+    trainer.all_reduce_network(acc, net)
+    ours = [p.grad for p in net.parameters()]
+    cpu = lambda ts: [t.cpu() for t in ts]
+    out = {"grads": cpu(grads), "theirs": cpu(theirs), "ours": cpu(ours), "type": str(acc.distributed_type)}
+    torch.save(out, sys.argv[2] + f"/rank{rank}.pt")
+    """
+)
+
+
+def check_two_process_reduce(tmp_path: Path, cuda: bool) -> None:
+    """Two processes (gloo over loopback on the CPU, NCCL on two GPUs) with accelerate's Accelerator and sd-scripts'
+    NetworkTrainer: sd-scripts' per-tensor all_reduce_network and coalesced_reduce's give the same gradients, bit
+    for bit (a sum of two values does not depend on order), the mean of the two processes' gradients."""
+    import torch
+
+    from flux_trainer.sdscripts.checkout import locate
+
+    script = tmp_path / "rank.py"
+    script.write_text(TWO_PROCESS_REDUCE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, str(script), str(locate().path), str(tmp_path), "cuda" if cuda else "cpu"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["type"] == ("DistributedType.MULTI_GPU" if cuda else "DistributedType.MULTI_CPU")
+    for g0, g1, t0, t1, o0, o1 in zip(*(r[k] for k in ("grads", "theirs", "ours") for r in (r0, r1)), strict=True):
+        assert not torch.equal(g0, g1)
+        assert torch.equal(t0, (g0 + g1) / 2) and torch.equal(t0, t1)
+        assert torch.equal(o0, t0) and torch.equal(o1, t1)

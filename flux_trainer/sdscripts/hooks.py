@@ -585,7 +585,8 @@ def install_optimizer_kernels(optimizer: Any, kernels: dict[str, Any]) -> list[s
 
 
 def install_trainer_kernels(trainer: Any, kernels: dict[str, Any]) -> list[str]:
-    """The kernels whose target is our FluxNetworkTrainer subclass (single_process_reduce), as above."""
+    """The kernels whose target is our FluxNetworkTrainer subclass (single_process_reduce, coalesced_reduce), as
+    above."""
     return _install_on(trainer, "trainer", kernels, "use auto")
 
 

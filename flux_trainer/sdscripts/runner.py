@@ -5,10 +5,9 @@ the run dir (written by the parent), puts the checkout on sys.path, parses the T
 `setup_parser()` and `read_config_from_file`, and calls `train(args)` on our subclass. The subclass only
 overrides sd-scripts' hook methods: model loaded (random presets, kernels), step start/end (metrics), the step's
 noise prediction (position ids kept on the device with flux_prologue), the loss it returns (read without a sync,
-train.sync_free); kernels whose target is the trainer
-(flux_kernels.single_process) wrap its methods on the instance. For the run, two of sd-scripts' module functions are
-wrapped: `get_optimizer` (the optimizer's kernels) and `calculate_sha256` (the base model's hash once per file,
-file_hash).
+train.sync_free); kernels whose target is the trainer (flux_kernels.single_process, coalesced_reduce) wrap its
+methods on the instance. For the run, two of sd-scripts' module functions are wrapped: `get_optimizer` (the
+optimizer's kernels) and `calculate_sha256` (the base model's hash once per file, file_hash).
 """
 
 from __future__ import annotations

@@ -14,45 +14,43 @@ from flux_trainer.sdscripts import hooks as hooks_mod
 
 
 @pytest.mark.parametrize(
-    ("overrides", "processes", "gpu", "want"),
+    ("overrides", "gpu", "want"),
     [
-        (["memory=vram80"], 1, True, True),  # no checkpointing: memory is not traded for speed
-        (["memory=vram48"], 1, True, False),  # checkpointing tiers keep their memory (graphs add ~1.5 GiB)
-        (["memory=vram24"], 1, True, False),
-        (["memory=vram80", "kernels=off"], 1, True, False),
-        (["memory=vram80", "kernels=fused"], 1, True, False),  # no compile_blocks in that set
-        (["memory=vram80", "kernels=compile"], 1, True, True),
-        (["memory=vram80", "kernels.set='auto,qk_norm_rope'"], 1, True, True),  # auto plus one
-        (["memory=vram80", "kernels.set='auto,-compile_blocks'"], 1, True, False),  # auto without the compile
-        (["memory=vram80"], 2, True, False),  # multi-GPU: not measured yet
-        (["memory=vram80"], 1, False, False),  # a CPU run
-        (["memory=vram80", "train.gradient_accumulation_steps=2"], 1, True, False),
-        (["memory=vram48", "kernels.cuda_graphs=true"], 1, True, True),
-        (["memory=vram80", "kernels.cuda_graphs=false"], 1, True, False),
-        (["memory=vram80", "kernels.set='auto,activation_offload'"], 1, True, True),  # nothing checkpointed to offload
+        (["memory=vram80"], True, True),  # no checkpointing: memory is not traded for speed
+        (["memory=vram48"], True, False),  # checkpointing tiers keep their memory (graphs add ~1.5 GiB)
+        (["memory=vram24"], True, False),
+        (["memory=vram80", "kernels=off"], True, False),
+        (["memory=vram80", "kernels=fused"], True, False),  # no compile_blocks in that set
+        (["memory=vram80", "kernels=compile"], True, True),
+        (["memory=vram80", "kernels.set='auto,qk_norm_rope'"], True, True),  # auto plus one
+        (["memory=vram80", "kernels.set='auto,-compile_blocks'"], True, False),  # auto without the compile
+        (["memory=vram80"], False, False),  # a CPU run
+        (["memory=vram80", "train.gradient_accumulation_steps=2"], True, False),
+        (["memory=vram48", "kernels.cuda_graphs=true"], True, True),
+        (["memory=vram80", "kernels.cuda_graphs=false"], True, False),
+        (["memory=vram80", "kernels.set='auto,activation_offload'"], True, True),  # nothing checkpointed to offload
         # the offloaded tensors are held until their copies are done (flux_kernels.activation_offload.HOLD)
-        (["memory=vram24", "kernels.cuda_graphs=true", "kernels.set='auto,activation_offload'"], 1, True, True),
-        (["memory=vram24", "kernels=offload"], 1, True, True),  # the preset: the same two
+        (["memory=vram24", "kernels.cuda_graphs=true", "kernels.set='auto,activation_offload'"], True, True),
+        (["memory=vram24", "kernels=offload"], True, True),  # the preset: the same two
     ],
 )
-def test_decision(compose, overrides, processes, gpu, want):
-    assert cuda_graphs_decision(compose("+dataset=mychar", *overrides), processes, gpu=gpu) is want
+def test_decision(compose, overrides, gpu, want):
+    assert cuda_graphs_decision(compose("+dataset=mychar", *overrides), gpu=gpu) is want
 
 
 @pytest.mark.parametrize(
-    ("overrides", "processes", "words"),
+    ("overrides", "words"),
     [
-        (["memory=vram16"], 1, "blocks_to_swap"),
-        (["train.gradient_accumulation_steps=4"], 1, "gradient_accumulation_steps"),
-        (["kernels=off"], 1, "kernels=off"),
-        (["kernels.set='auto,-compile_blocks'"], 1, "kernels.set=auto,-compile_blocks compiles no blocks"),
-        ([], 2, "2 processes"),
+        (["memory=vram16"], "blocks_to_swap"),
+        (["train.gradient_accumulation_steps=4"], "gradient_accumulation_steps"),
+        (["kernels=off"], "kernels=off"),
+        (["kernels.set='auto,-compile_blocks'"], "kernels.set=auto,-compile_blocks compiles no blocks"),
     ],
 )
-def test_asking_where_graphs_cannot_run_is_an_error_naming_why(compose, overrides, processes, words):
+def test_asking_where_graphs_cannot_run_is_an_error_naming_why(compose, overrides, words):
     cfg = compose("+dataset=mychar", "kernels.cuda_graphs=true", *overrides)
     with pytest.raises(ConfigError, match="kernels.cuda_graphs=true") as e:
-        cuda_graphs_decision(cfg, processes)
+        cuda_graphs_decision(cfg)
     assert words in str(e.value)
 
 
@@ -68,18 +66,18 @@ def test_the_offload_preset_is_auto_with_activation_offload_replayed_from_graphs
 def test_the_offload_preset_where_graphs_cannot_run_says_the_preset_asked_for_them(compose):
     cfg = compose("+dataset=mychar", "memory=vram16", "kernels=offload")
     with pytest.raises(ConfigError, match="kernels=offload sets it") as e:
-        cuda_graphs_decision(cfg, 1)
+        cuda_graphs_decision(cfg)
     assert "blocks_to_swap" in str(e.value)
     without = "kernels.set='auto,-activation_offload'"
     cfg = compose("+dataset=mychar", "memory=vram16", "kernels.cuda_graphs=true", without)
     with pytest.raises(ConfigError) as e:
-        cuda_graphs_decision(cfg, 1)
+        cuda_graphs_decision(cfg)
     assert "kernels=offload" not in str(e.value)  # taken out, not asked for
 
 
 def test_a_setting_that_is_not_auto_true_or_false_is_refused(compose):
     with pytest.raises(ConfigError, match="choose auto, true or false"):
-        cuda_graphs_decision(compose("+dataset=mychar", "kernels.cuda_graphs=sometimes"), 1)
+        cuda_graphs_decision(compose("+dataset=mychar", "kernels.cuda_graphs=sometimes"))
 
 
 def fake_kernels(monkeypatch, installed, skipped=None):

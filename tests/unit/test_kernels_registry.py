@@ -176,21 +176,22 @@ def test_off_installs_nothing_and_real_registry_explicit_compile_on_cpu_raises()
 def test_every_registry_entry_is_frozen_and_complete():
     assert list(REGISTRY) == ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate",
                               "single_qkv", "double_qkv", "fp8_matmul", "lora_fold", "flux_prologue", "lora_grad_norms",
-                              "prodigy_step", "adamw_step", "single_process_reduce", "selective_checkpoint",
-                              "compile_blocks", "activation_offload"]  # fmt: skip
+                              "prodigy_step", "adamw_step", "single_process_reduce", "coalesced_reduce",
+                              "selective_checkpoint", "compile_blocks", "activation_offload"]  # fmt: skip
     # these install into the optimizer, this one into our trainer
     assert {n: s.target for n, s in REGISTRY.items() if s.target != "model"} == {
-        "prodigy_step": "optimizer", "adamw_step": "optimizer", "single_process_reduce": "trainer"}  # fmt: skip
+        "prodigy_step": "optimizer", "adamw_step": "optimizer", "single_process_reduce": "trainer",
+        "coalesced_reduce": "trainer"}  # fmt: skip
     # auto = the attention choice + the single blocks' q/k/v with a written-out backward + fp8 matmuls (on an fp8
     # base only) + the LoRA folded into the wide layers' GEMM + the per-step embeddings without syncs + the LoRA norms
     # (where a LoRA is applied) + Prodigy's or AdamW's step (whichever the optimizer is) + no all-reduce on one
-    # process + selective checkpointing (where blocks are checkpointed) + regional compile; the Triton ops are opt-in
-    # until they beat compile_blocks, the double blocks' q/k/v until a whole step shows its gain, activation_offload
-    # until it is measured at the tiers' caps
+    # process, one per dtype on several + selective checkpointing (where blocks are checkpointed) + regional compile;
+    # the Triton ops are opt-in until they beat compile_blocks, the double blocks' q/k/v until a whole step shows its
+    # gain, activation_offload until it is measured at the tiers' caps
     assert [n for n, s in REGISTRY.items() if s.in_auto] == ["attention", "single_qkv", "fp8_matmul", "lora_fold",
                                                               "flux_prologue",
                                                               "lora_grad_norms", "prodigy_step", "adamw_step",
-                                                              "single_process_reduce",
+                                                              "single_process_reduce", "coalesced_reduce",
                                                               "selective_checkpoint", "compile_blocks"]  # fmt: skip
     assert [n for n, s in REGISTRY.items() if s.auto_if is not None] == ["fp8_matmul", "lora_fold", "lora_grad_norms",
                                                                          "selective_checkpoint"]  # fmt: skip
