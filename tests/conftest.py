@@ -161,14 +161,35 @@ def tiny_flux_forward(
                  txt_attention_mask=m)  # fmt: skip
 
 
-TWO_PROCESS_REDUCE = textwrap.dedent(
-    """
+def two_processes(tmp_path: Path, script: str, *args: str) -> list:
+    """Run `script` as two processes of one process group (torch.distributed's environment: WORLD_SIZE, RANK,
+    MASTER_ADDR on loopback); each saves what it found to `sys.argv[1]/rank{RANK}.pt` (argv[2:] are `args`).
+    Returns the two results, rank 0's first, after asserting both processes succeeded."""
+    import torch
+
+    path = tmp_path / "rank.py"
+    path.write_text(textwrap.dedent(script))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, str(path), str(tmp_path), *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+
+
+TWO_PROCESS_REDUCE = """
     import importlib, sys
     import torch
     from accelerate import Accelerator
     from flux_kernels import coalesced_reduce
     from flux_trainer.sdscripts.checkout import import_sd_scripts
-    import_sd_scripts(sys.argv[1])  # as the runner imports it (its torchvision stand-in where there is none)
+    import_sd_scripts(sys.argv[2])  # as the runner imports it (its torchvision stand-in where there is none)
     train_network = importlib.import_module("train_network")
     acc = Accelerator(cpu=sys.argv[3] == "cpu")
     rank = acc.process_index
@@ -187,9 +208,8 @@ TWO_PROCESS_REDUCE = textwrap.dedent(
     ours = [p.grad for p in net.parameters()]
     cpu = lambda ts: [t.cpu() for t in ts]
     out = {"grads": cpu(grads), "theirs": cpu(theirs), "ours": cpu(ours), "type": str(acc.distributed_type)}
-    torch.save(out, sys.argv[2] + f"/rank{rank}.pt")
-    """
-)
+    torch.save(out, sys.argv[1] + f"/rank{rank}.pt")
+"""
 
 
 def check_two_process_reduce(tmp_path: Path, cuda: bool) -> None:
@@ -200,20 +220,7 @@ def check_two_process_reduce(tmp_path: Path, cuda: bool) -> None:
 
     from flux_trainer.sdscripts.checkout import locate
 
-    script = tmp_path / "rank.py"
-    script.write_text(TWO_PROCESS_REDUCE)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, str(script), str(locate().path), str(tmp_path), "cuda" if cuda else "cpu"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    r0, r1 = two_processes(tmp_path, TWO_PROCESS_REDUCE, str(locate().path), "cuda" if cuda else "cpu")
     assert r0["type"] == ("DistributedType.MULTI_GPU" if cuda else "DistributedType.MULTI_CPU")
     for g0, g1, t0, t1, o0, o1 in zip(*(r[k] for k in ("grads", "theirs", "ours") for r in (r0, r1)), strict=True):
         assert not torch.equal(g0, g1)

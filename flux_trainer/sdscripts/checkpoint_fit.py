@@ -29,6 +29,11 @@ With `activation_offload` as well, what checkpointed blocks keep waits in host m
 block keeps its selective outputs and the whole room goes to un-checkpointing blocks (each at its full activations:
 an un-checkpointed block is not offloaded).
 
+With several processes (`launcher.gpus`), the processes agree before deciding: each measures its own room and
+block sizes, and all of them decide from the tightest room and the largest sizes of any, so every process runs the
+same blocks checkpointed (two H200s had split 54 / 55 and 32 / 33 checkpointed blocks; the step waits for the
+slowest process at the gradient all-reduce anyway, so the one that kept more gained nothing for its memory).
+
 An explicit count `N` un-checkpoints that many blocks (in the same order) from the first step, without measuring,
 and leaves selective checkpointing, where installed, on for the others. `0` checkpoints every block, as sd-scripts
 does (selectively where that kernel is installed). `auto` does nothing without CUDA, with block swap or CPU-offloaded
@@ -240,6 +245,9 @@ class CheckpointFit:
         free, total = self.memory.free_total()
         usable = usable_bytes(free, total, self.memory.reserved(), self.memory.fraction(), self.tier_gib)
         room = int(usable * (1 - MARGIN)) - peak
+        room, self.per_block, self.per_block_selective, processes = agree(
+            room, self.per_block, self.per_block_selective
+        )
         rest = self._order[self.kept :]
         sizes = [self.per_block.get(kind, 0) for kind, _ in rest]
         selective = [self.per_block_selective.get(kind, 0) for kind, _ in rest] if self.per_block_selective else []
@@ -263,9 +271,10 @@ class CheckpointFit:
                 f"{k} {v / GIB:.3f}" for k, v in sorted(self.per_block_selective.items())
             )
         larger = f" (scaled {scale:.2f}x to the largest bucket)" if scale > 1 else ""
+        agreed = f"; the tightest of {processes} processes" if processes > 1 else ""
         return self._say(
             f"memory.checkpoint_skip=auto: activations per block {measured} GiB; first step's peak "
-            f"{peak / GIB:.1f} GiB reserved{larger} of {usable / GIB:.1f} GiB usable"
+            f"{peak / GIB:.1f} GiB reserved{larger} of {usable / GIB:.1f} GiB usable{agreed}"
         )
 
     def _keep(self, n: int) -> None:
@@ -299,6 +308,26 @@ class CheckpointFit:
 # matmul output (linear2 / the MLP down-projections), each as large as the hidden states (the LoRA down-projections'
 # rank-sized outputs come on top: ~1% at rank 16; 54.4 MiB measured against 54.0 planned on the H200)
 SELECTIVE_COPIES = 2
+
+
+def agree(room: int, per_block: dict[str, int], selective: dict[str, int]) -> tuple[int, dict, dict, int]:
+    """The smallest room and the largest per-block sizes over the processes of the default process group (one
+    all-reduce: every process decides at the same step), and how many processes there are. One process: as given.
+    The processes must have measured the same block kinds (one model)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return room, per_block, selective, 1
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    keys, sel_keys = sorted(per_block), sorted(selective)
+    values = torch.tensor(
+        [-room, *(per_block[k] for k in keys), *(selective[k] for k in sel_keys)], dtype=torch.int64, device=device
+    )
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    out = values.tolist()
+    sizes, kept = out[1 : 1 + len(keys)], out[1 + len(keys) :]
+    return -out[0], dict(zip(keys, sizes, strict=True)), dict(zip(sel_keys, kept, strict=True)), dist.get_world_size()
 
 
 def hidden_states(kind: str, args: tuple, kwargs: dict) -> list:

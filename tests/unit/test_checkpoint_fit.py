@@ -136,6 +136,50 @@ def test_auto_measures_two_blocks_then_keeps_what_fits():
     assert all(not b._forward_hooks and len(b._forward_pre_hooks) == 1 for b in blocks), "measuring hooks left"
 
 
+def test_auto_decides_from_the_tightest_process(monkeypatch):
+    """With other processes, the decision takes the room and sizes `agree` gives (the tightest of them all)."""
+    from flux_trainer.sdscripts import checkpoint_fit
+
+    seen = []
+
+    def agree(room, per_block, selective):  # another process had 5 GiB less room and larger single blocks
+        seen.append((room, dict(per_block)))
+        return room - 5 * GIB, {**per_block, "single": 3 * GIB}, selective, 2
+
+    monkeypatch.setattr(checkpoint_fit, "agree", agree)
+    m = model(doubles=3, singles=4)
+    mem = FakeMemory(
+        {"double": 3 * GIB, "single": 2 * GIB}, peak=23 * GIB, free=10 * GIB, total=40 * GIB, reserved=30 * GIB
+    )
+    fit = CheckpointFit("auto", memory=mem)
+    fit.start(m)
+    step(m, mem)
+    line = fit.decide()
+    assert seen == [(11 * GIB, {"double": 3 * GIB, "single": 2 * GIB})]  # this process's own figures went in
+    assert fit.kept == 4 and unchecked(m) == ["d2", "s1", "s2", "s3"], line  # 6 GiB: s2, s1 (3 each), not s0
+    assert "the tightest of 2 processes" in line and "single 3.00" in line
+
+
+AGREE = """
+    import sys
+    import torch, torch.distributed as dist
+    from flux_trainer.sdscripts.checkpoint_fit import agree
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = agree(100 - 30 * rank, {"single": 7 - rank, "double": 10 + rank}, {"double": 3, "single": 1 + rank})
+    torch.save(out, sys.argv[1] + f"/rank{rank}.pt")
+"""
+
+
+def test_agree_gives_every_process_the_smallest_room_and_the_largest_sizes(tmp_path):
+    from flux_trainer.sdscripts.checkpoint_fit import agree
+    from tests.conftest import two_processes
+
+    assert agree(5, {"double": 1}, {}) == (5, {"double": 1}, {}, 1)  # no process group: as given
+    r0, r1 = two_processes(tmp_path, AGREE)
+    assert r0 == r1 == (70, {"double": 11, "single": 7}, {"double": 3, "single": 2}, 2)
+
+
 class DoubleBlock(Block):
     def forward(self, img, txt):  # sd-scripts' order: image tokens, then text tokens
         return img + 1, txt + 1
