@@ -161,10 +161,12 @@ def test_auto_decides_from_the_tightest_process(monkeypatch):
 
 
 AGREE = """
-    import sys
+    import os, sys
     import torch, torch.distributed as dist
     from flux_trainer.sdscripts.checkpoint_fit import agree
-    dist.init_process_group("gloo")
+    if sys.argv[2] == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(sys.argv[2])
     rank = dist.get_rank()
     out = agree(100 - 30 * rank, {"single": 7 - rank, "double": 10 + rank}, {"double": 3, "single": 1 + rank})
     torch.save(out, sys.argv[1] + f"/rank{rank}.pt")
@@ -176,7 +178,7 @@ def test_agree_gives_every_process_the_smallest_room_and_the_largest_sizes(tmp_p
     from tests.conftest import two_processes
 
     assert agree(5, {"double": 1}, {}) == (5, {"double": 1}, {}, 1)  # no process group: as given
-    r0, r1 = two_processes(tmp_path, AGREE)
+    r0, r1 = two_processes(tmp_path, AGREE, "gloo")
     assert r0 == r1 == (70, {"double": 11, "single": 7}, {"double": 3, "single": 2}, 2)
 
 
