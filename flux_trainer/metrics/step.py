@@ -35,8 +35,10 @@ class StepMetrics:
 
     ``flops_per_step`` and ``images_per_step`` are per process (per GPU): pass batch size x gradient
     accumulation, and ``flux_step_flops(...).total`` times accumulation. Throughput tags are therefore per GPU;
-    MFU is per GPU by definition. ``peak_tflops=None`` (a card not in the peak table) leaves ``throughput/mfu``
-    out.
+    MFU is per GPU by definition. With ``processes`` > 1, ``throughput/images_per_s_all_ranks`` is this process's
+    images/s times the process count: data-parallel processes step together (they meet at the gradient all-reduce
+    every step), so one process's step time is everyone's. ``peak_tflops=None`` (a card not in the peak table)
+    leaves ``throughput/mfu`` out.
 
     On a device that is not CUDA, the ``vram/*`` tags are 0.0 (there is no device allocator to ask), and there
     are no ``gpu/*`` tags. With ``log_every=N`` only every N-th step returns tags (the others return ``{}``
@@ -62,12 +64,14 @@ class StepMetrics:
         clock: Callable[[], float] = time.perf_counter,
         nvml: NvmlReader | None | str = "auto",
         log_every: int = 1,
+        processes: int = 1,
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
         self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         self.flops_per_step = float(flops_per_step)
         self.images_per_step = float(images_per_step)
+        self.processes = int(processes)
         self.peak_tflops = peak_tflops
         self.enabled = enabled
         self.log_every = log_every
@@ -120,6 +124,8 @@ class StepMetrics:
             tags["time/step_s"] = step_s
             tags["time/data_s"] = self._data_s / self._steps
             tags["throughput/images_per_s"] = self.images_per_step / step_s
+            if self.processes > 1:
+                tags["throughput/images_per_s_all_ranks"] = self.processes * self.images_per_step / step_s
             tags["throughput/tflops"] = tflops
             if self.peak_tflops:
                 tags["throughput/mfu"] = mfu(tflops, self.peak_tflops)

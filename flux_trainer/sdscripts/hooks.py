@@ -785,6 +785,7 @@ def make_step_metrics(args: Any, accelerator: Any, options: dict[str, Any]) -> A
         flops_per_step=float(options.get("flops_per_step", 0.0)) * accum,
         images_per_step=float(options.get("images_per_step", 1)) * accum,
         peak_tflops=peak_bf16_tflops(name) if name != "cpu" else None,
+        processes=int(getattr(accelerator, "num_processes", 1) or 1),
     )
     metrics.start()
     return metrics

@@ -41,6 +41,16 @@ def test_exact_times_and_throughput():
     assert clock.times == [] and clock.calls == 5
 
 
+def test_several_processes_add_the_images_per_second_of_all_of_them():
+    m = StepMetrics("cpu", flops_per_step=1e12, images_per_step=2, clock=FakeClock(0.0, 0.5), nvml=None, processes=3)
+    m.start()
+    tags = m.on_step_end(1)
+    assert tags["throughput/images_per_s"] == 4.0 and tags["throughput/images_per_s_all_ranks"] == 12.0
+    one = StepMetrics("cpu", flops_per_step=1e12, images_per_step=2, clock=FakeClock(0.0, 0.5), nvml=None)
+    one.start()
+    assert "throughput/images_per_s_all_ranks" not in one.on_step_end(1)
+
+
 def test_cpu_tags_first_step_and_no_peak():
     m = StepMetrics("cpu", flops_per_step=1e12, images_per_step=1, clock=FakeClock(5.0, 6.0), nvml=None)
     first = m.on_step_end(1)  # no start(): nothing to time from
