@@ -326,8 +326,9 @@ def agree(room: int, per_block: dict[str, int], selective: dict[str, int]) -> tu
     )
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     out = values.tolist()
-    sizes, kept = out[1 : 1 + len(keys)], out[1 + len(keys) :]
-    return -out[0], dict(zip(keys, sizes, strict=True)), dict(zip(sel_keys, kept, strict=True)), dist.get_world_size()
+    sizes, sel_sizes = out[1 : 1 + len(keys)], out[1 + len(keys) :]
+    agreed = dict(zip(keys, sizes, strict=True)), dict(zip(sel_keys, sel_sizes, strict=True))
+    return -out[0], *agreed, dist.get_world_size()
 
 
 def hidden_states(kind: str, args: tuple, kwargs: dict) -> list:
