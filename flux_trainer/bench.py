@@ -53,6 +53,8 @@ class BenchResult:
     sm_clock_mhz: float | None = None
     tflops: float | None = None
     mfu: float | None = None
+    # images a second over every process (throughput/images_per_s_all_ranks; one process: throughput/images_per_s)
+    images_per_s: float | None = None
     first_step_s: float | None = None
     step1_extra_s: float | None = None  # the first step's compute (data wait excluded) minus the median step
     step2_extra_s: float | None = None  # the same for the second (a retrace there: selective checkpointing's plan)
@@ -134,6 +136,15 @@ class CardPoller:
         return out
 
 
+# tags read as their median after the warm-up (the first of two tags for one key wins)
+LATE_TAGS = {
+    "throughput/tflops": "tflops",
+    "throughput/mfu": "mfu",
+    "throughput/images_per_s_all_ranks": "images_per_s",
+    "throughput/images_per_s": "images_per_s",
+}
+
+
 def step_stats(tb_dir: Path, warmup: int) -> dict:
     """s/step (median, min, max and mean after `warmup` steps) from loss event wall times, plus our own tags if
     present."""
@@ -147,7 +158,7 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
         scalars = acc.Tags().get("scalars", [])
         if "loss/current" in scalars:
             wall.update({e.step: e.wall_time for e in acc.Scalars("loss/current")})
-        for tag in ("vram/peak_gib", "throughput/tflops", "throughput/mfu", "time/step_s", "time/data_s"):
+        for tag in ("vram/peak_gib", "time/step_s", "time/data_s", *LATE_TAGS):
             if tag in scalars:
                 tags.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     steps = sorted(wall)
@@ -163,9 +174,9 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
             out[key] = step_s[step] - data_s.get(step, 0.0) - out["s_per_step"]
     if tags.get("vram/peak_gib"):
         out["torch_peak_gib"] = max(v for _, v in tags["vram/peak_gib"])
-    for tag, key in (("throughput/tflops", "tflops"), ("throughput/mfu", "mfu")):
+    for tag, key in LATE_TAGS.items():
         late = [v for s, v in tags.get(tag, []) if s > warmup]
-        if late:
+        if late and key not in out:
             out[key] = statistics.median(late)
     return out
 
@@ -389,7 +400,7 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
 def table(results: list[BenchResult]) -> str:
     head = (
         f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'card pk':>8} "
-        f"{'TFLOP/s':>7} {'MFU':>5} {'W':>4} {'SM MHz':>6} {'1st step':>8} {'+s 1st/2nd':>11}"
+        f"{'img/s':>5} {'TFLOP/s':>7} {'MFU':>5} {'W':>4} {'SM MHz':>6} {'1st step':>8} {'+s 1st/2nd':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -398,7 +409,8 @@ def table(results: list[BenchResult]) -> str:
         lines.append(
             f"{r.case[:36]:<36} {r.exit_code:>4} {_num(r.s_per_step, '.3f'):>7} {rng:>13} {_num(r.s_mean, '.3f'):>6} "
             f"{_num(r.torch_peak_gib, '.1f'):>8} "
-            f"{_num(r.card_peak_gib, '.1f'):>8} {_num(r.tflops, '.0f'):>7} {_num(r.mfu, '.2f'):>5} "
+            f"{_num(r.card_peak_gib, '.1f'):>8} {_num(r.images_per_s, '.2f'):>5} {_num(r.tflops, '.0f'):>7} "
+            f"{_num(r.mfu, '.2f'):>5} "
             f"{_num(r.power_w, '.0f'):>4} {_num(r.sm_clock_mhz, '.0f'):>6} {_num(r.first_step_s, '.0f'):>8} {extra:>11}"
         )
     return "\n".join(lines)

@@ -158,6 +158,28 @@ def test_step_stats_time_steps_and_the_first_two_steps_extra(tmp_path):
     assert "30.0/10.0" in table([BenchResult(case="c", overrides=[], exit_code=0, **stats)])
 
 
+def test_step_stats_images_per_second_of_all_processes_where_logged(tmp_path):
+    """The run's images/s: every process's where the run logged it (several GPUs), else the one process's."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from flux_trainer.bench import BenchResult, step_stats, table
+
+    for name, all_ranks in (("two", True), ("one", False)):
+        writer = SummaryWriter(str(tmp_path / name / "tb"))
+        for step in range(1, 6):
+            writer.add_scalar("loss/current", 1.0, step, walltime=100.0 + step)
+            writer.add_scalar("throughput/images_per_s", 3.0 if step > 2 else 0.1, step)
+            if all_ranks:
+                writer.add_scalar("throughput/images_per_s_all_ranks", 6.0 if step > 2 else 0.2, step)
+        writer.close()
+    two, one = (step_stats(tmp_path / n / "tb", warmup=2) for n in ("two", "one"))
+    assert two["images_per_s"] == 6.0 and one["images_per_s"] == 3.0  # after the warm-up only
+    for s in (two, one):
+        s.pop("window"), s.pop("first_wall")
+    out = table([BenchResult(case="c", overrides=[], exit_code=0, **two)])
+    assert "img/s" in out and " 6.00 " in out
+
+
 def test_card_poller_samples_memory_power_and_clock_and_takes_medians_over_the_measured_steps():
     """The poller reads used memory, power and SM clock through NVML (a stand-in here) on its thread; a board that
     refuses a reading leaves it None, and the medians count only the samples inside the measured steps' window."""
