@@ -53,6 +53,7 @@ from flux_trainer.config.validate import CHECKPOINT_SKIP_AUTO as AUTO
 log = logging.getLogger("flux_trainer.runner")
 GIB = 2**30
 MARGIN = 0.15  # of the usable memory kept free: at 8% (H200, tier caps) steps slowed and varied near the cap
+UNMEASURED = -(1 << 62)  # a process's room where it could not measure: the tightest room then tells every process
 
 
 @dataclass
@@ -239,15 +240,22 @@ class CheckpointFit:
             return None
 
     def _fit(self) -> str:
-        self._peak = max(self._peak, self.memory.peak_reserved())
         scale = self._peak_scale or 1.0
-        peak = self._static + int(max(0, self._peak - self._static) * scale)
-        free, total = self.memory.free_total()
-        usable = usable_bytes(free, total, self.memory.reserved(), self.memory.fraction(), self.tier_gib)
-        room = int(usable * (1 - MARGIN)) - peak
+        try:
+            self._peak = max(self._peak, self.memory.peak_reserved())
+            peak = self._static + int(max(0, self._peak - self._static) * scale)
+            free, total = self.memory.free_total()
+            usable = usable_bytes(free, total, self.memory.reserved(), self.memory.fraction(), self.tier_gib)
+            room, failed = int(usable * (1 - MARGIN)) - peak, None
+        except Exception as e:  # noqa: BLE001 - every process must still reach agree's all-reduce, then all give up
+            room, failed = UNMEASURED, e
         room, self.per_block, self.per_block_selective, processes = agree(
             room, self.per_block, self.per_block_selective
         )
+        if failed is not None:
+            raise failed
+        if room <= UNMEASURED // 2:
+            raise RuntimeError(f"another of the {processes} processes could not measure its memory")
         rest = self._order[self.kept :]
         sizes = [self.per_block.get(kind, 0) for kind, _ in rest]
         selective = [self.per_block_selective.get(kind, 0) for kind, _ in rest] if self.per_block_selective else []

@@ -160,6 +160,32 @@ def test_auto_decides_from_the_tightest_process(monkeypatch):
     assert "the tightest of 2 processes" in line and "single 3.00" in line
 
 
+def test_a_process_that_cannot_measure_still_agrees_and_every_process_checkpoints_every_block(monkeypatch, caplog):
+    """Each process reaches the agreement's all-reduce even where its own measurement failed (else the others would
+    wait there for ever); the tightest room then says so, and every process checkpoints every block."""
+    from flux_trainer.sdscripts import checkpoint_fit
+
+    rooms = []
+
+    def agree(room, per_block, selective):
+        rooms.append(room)
+        return checkpoint_fit.UNMEASURED, per_block, selective, 2  # the other process could not measure
+
+    monkeypatch.setattr(checkpoint_fit, "agree", agree)
+    for fail in (True, False):
+        m = model()
+        mem = FakeMemory({"double": GIB, "single": GIB}, peak=GIB, free=GIB, total=40 * GIB, reserved=GIB)
+        fit = CheckpointFit("auto", memory=mem)
+        fit.start(m)
+        step(m, mem)
+        mem.fail = fail
+        with caplog.at_level(logging.WARNING, logger="flux_trainer.runner"):
+            assert fit.decide() is None
+        assert unchecked(m) == []
+    assert rooms[0] == checkpoint_fit.UNMEASURED and rooms[1] > 0  # this one failed, then this one measured
+    assert "no device" in caplog.text and "another of the 2 processes could not measure" in caplog.text
+
+
 AGREE = """
     import os, sys
     import torch, torch.distributed as dist
