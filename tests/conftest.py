@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -226,3 +227,12 @@ def check_two_process_reduce(tmp_path: Path, cuda: bool) -> None:
         assert not torch.equal(g0, g1)
         assert torch.equal(t0, (g0 + g1) / 2) and torch.equal(t0, t1)
         assert torch.equal(o0, t0) and torch.equal(o1, t1)
+
+
+def load_script(name: str):
+    """scripts/NAME.py imported as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,22 +4,17 @@ needs flash-attn-4 on an sm90 GPU)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_fa4_tiles.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def tiles_script():
-    spec = importlib.util.spec_from_file_location("bench_fa4_tiles", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_fa4_tiles")
 
 
 @dataclasses.dataclass

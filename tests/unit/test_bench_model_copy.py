@@ -3,20 +3,16 @@ on a small safetensors file: every way timed, every staged copy checked bit for 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_model_copy.py"
+from tests.conftest import load_script
 
 
 def test_cpu_run_writes_the_table_and_json(tmp_path, capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_model_copy", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_model_copy")
     from flux_trainer.sdscripts import model_copy
 
     monkeypatch.setattr(model_copy, "MIN_TENSOR_BYTES", 1 << 16)
