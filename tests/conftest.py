@@ -164,7 +164,8 @@ def tiny_flux_forward(
 
 def two_processes(tmp_path: Path, script: str, *args: str) -> list:
     """Run `script` as two processes of one process group (torch.distributed's environment: WORLD_SIZE, RANK,
-    MASTER_ADDR on loopback); each saves what it found to `sys.argv[1]/rank{RANK}.pt` (argv[2:] are `args`).
+    MASTER_ADDR on loopback); each saves what it found to `sys.argv[1]/rank{RANK}.pt` (argv[2:] are `args`) and
+    should destroy its process group before it exits.
     Returns the two results, rank 0's first, after asserting both processes succeeded."""
     import torch
 
@@ -210,6 +211,8 @@ TWO_PROCESS_REDUCE = """
     cpu = lambda ts: [t.cpu() for t in ts]
     out = {"grads": cpu(grads), "theirs": cpu(theirs), "ours": cpu(ours), "type": str(acc.distributed_type)}
     torch.save(out, sys.argv[1] + f"/rank{rank}.pt")
+    acc.wait_for_everyone()
+    torch.distributed.destroy_process_group()  # the backend's threads stopped before exit (gloo can abort there)
 """
 
 

@@ -196,6 +196,8 @@ AGREE = """
     rank = dist.get_rank()
     out = agree(100 - 30 * rank, {"single": 7 - rank, "double": 10 + rank}, {"double": 3, "single": 1 + rank})
     torch.save(out, sys.argv[1] + f"/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()  # gloo's threads stopped before exit (else it can abort at teardown)
 """
 
 
