@@ -46,6 +46,9 @@ class BenchResult:
     # logging (train.sync_free: a step's events can land late, the next one's early) do not move
     s_mean: float | None = None
     torch_peak_gib: float | None = None
+    # the allocator's reserve at its peak (vram/reserved_peak_gib): between the two above, it says how much of the
+    # card's excess over torch's peak is the allocator's (fragmentation, CUDA graphs' pools) and how much is not
+    reserved_peak_gib: float | None = None
     card_peak_gib: float | None = None
     # the whole card's power draw and SM clock (NVML), medians over the measured steps: a card at its power limit
     # runs below its boost clock, and two cards of one kind can differ there (compare s/step within one command)
@@ -158,7 +161,7 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
         scalars = acc.Tags().get("scalars", [])
         if "loss/current" in scalars:
             wall.update({e.step: e.wall_time for e in acc.Scalars("loss/current")})
-        for tag in ("vram/peak_gib", "time/step_s", "time/data_s", *LATE_TAGS):
+        for tag in ("vram/peak_gib", "vram/reserved_peak_gib", "time/step_s", "time/data_s", *LATE_TAGS):
             if tag in scalars:
                 tags.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     steps = sorted(wall)
@@ -172,8 +175,9 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
     if step_s and deltas:
         for key, step in zip(("step1_extra_s", "step2_extra_s"), sorted(step_s), strict=False):
             out[key] = step_s[step] - data_s.get(step, 0.0) - out["s_per_step"]
-    if tags.get("vram/peak_gib"):
-        out["torch_peak_gib"] = max(v for _, v in tags["vram/peak_gib"])
+    for tag, key in (("vram/peak_gib", "torch_peak_gib"), ("vram/reserved_peak_gib", "reserved_peak_gib")):
+        if tags.get(tag):
+            out[key] = max(v for _, v in tags[tag])
     for tag, key in LATE_TAGS.items():
         late = [v for s, v in tags.get(tag, []) if s > warmup]
         if late and key not in out:
@@ -399,7 +403,7 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
 
 def table(results: list[BenchResult]) -> str:
     head = (
-        f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'card pk':>8} "
+        f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'rsv pk':>6} {'card pk':>8} "
         f"{'img/s':>5} {'TFLOP/s':>7} {'MFU':>5} {'W':>4} {'SM MHz':>6} {'1st step':>8} {'+s 1st/2nd':>11}"
     )
     lines = [head, "-" * len(head)]
@@ -408,7 +412,7 @@ def table(results: list[BenchResult]) -> str:
         extra = f"{_num(r.step1_extra_s, '.1f')}/{_num(r.step2_extra_s, '.1f')}"
         lines.append(
             f"{r.case[:36]:<36} {r.exit_code:>4} {_num(r.s_per_step, '.3f'):>7} {rng:>13} {_num(r.s_mean, '.3f'):>6} "
-            f"{_num(r.torch_peak_gib, '.1f'):>8} "
+            f"{_num(r.torch_peak_gib, '.1f'):>8} {_num(r.reserved_peak_gib, '.1f'):>6} "
             f"{_num(r.card_peak_gib, '.1f'):>8} {_num(r.images_per_s, '.2f'):>5} {_num(r.tflops, '.0f'):>7} "
             f"{_num(r.mfu, '.2f'):>5} "
             f"{_num(r.power_w, '.0f'):>4} {_num(r.sm_clock_mhz, '.0f'):>6} {_num(r.first_step_s, '.0f'):>8} {extra:>11}"

@@ -27,7 +27,13 @@ from flux_trainer.metrics.flops import mfu
 from flux_trainer.metrics.nvml import NvmlReader
 
 GIB = float(1 << 30)
-VRAM_TAGS = ("vram/allocated_gib", "vram/reserved_gib", "vram/peak_gib", "vram/alloc_retries")
+VRAM_TAGS = (
+    "vram/allocated_gib",
+    "vram/reserved_gib",
+    "vram/peak_gib",
+    "vram/reserved_peak_gib",
+    "vram/alloc_retries",
+)
 
 
 class StepMetrics:
@@ -147,6 +153,9 @@ class StepMetrics:
             "vram/allocated_gib": allocated.get("current", 0) / GIB,
             "vram/reserved_gib": reserved.get("all", {}).get("current", 0) / GIB,
             "vram/peak_gib": allocated.get("peak", 0) / GIB,
+            # the allocator's reserve at its peak: the card's peak less this is the CUDA context and what PyTorch's
+            # allocator does not hold (libraries' own allocations, loaded kernels)
+            "vram/reserved_peak_gib": reserved.get("all", {}).get("peak", 0) / GIB,
         }
         # not reset by the reset_peak_memory_stats below, hence the difference
         retries = int(stats.get("num_alloc_retries", 0))

@@ -180,6 +180,25 @@ def test_step_stats_images_per_second_of_all_processes_where_logged(tmp_path):
     assert "img/s" in out and " 6.00 " in out
 
 
+def test_step_stats_peaks_are_the_largest_of_any_logged_step(tmp_path):
+    """torch's and the allocator's reserved peaks: the largest logged (each step logs its own since the last)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from flux_trainer.bench import BenchResult, step_stats, table
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step, (peak, reserved) in enumerate([(5.0, 6.5), (7.25, 7.5), (6.0, 9.75)], start=1):
+        writer.add_scalar("loss/current", 1.0, step, walltime=100.0 + step)
+        writer.add_scalar("vram/peak_gib", peak, step)
+        writer.add_scalar("vram/reserved_peak_gib", reserved, step)
+    writer.close()
+    stats = step_stats(tmp_path / "tb", warmup=1)
+    assert (stats["torch_peak_gib"], stats["reserved_peak_gib"]) == (7.25, 9.75)
+    stats.pop("window"), stats.pop("first_wall")
+    out = table([BenchResult(case="c", overrides=[], exit_code=0, **stats)])
+    assert "rsv pk" in out and "     7.2    9.8 " in out
+
+
 def test_card_poller_samples_memory_power_and_clock_and_takes_medians_over_the_measured_steps():
     """The poller reads used memory, power and SM clock through NVML (a stand-in here) on its thread; a board that
     refuses a reading leaves it None, and the medians count only the samples inside the measured steps' window."""

@@ -96,7 +96,7 @@ def test_cuda_path_reads_allocator_resets_peak_and_never_syncs(monkeypatch):
         calls.append(("stats", dev))
         return {
             "allocated_bytes": {"all": {"current": 2 * GIB, "peak": 5 * GIB}, "small_pool": {"current": 1}},
-            "reserved_bytes": {"all": {"current": 3 * GIB, "peak": 4 * GIB}},
+            "reserved_bytes": {"all": {"current": 3 * GIB, "peak": 6 * GIB}},
             "num_alloc_retries": retries.pop(0),
             "num_ooms": 0,
         }
@@ -125,6 +125,7 @@ def test_cuda_path_reads_allocator_resets_peak_and_never_syncs(monkeypatch):
     m.start()
     tags = m.on_step_end(1)
     assert (tags["vram/allocated_gib"], tags["vram/reserved_gib"], tags["vram/peak_gib"]) == (2.0, 3.0, 5.0)
+    assert tags["vram/reserved_peak_gib"] == 6.0
     assert calls == [("stats", torch.device("cuda", 1)), ("reset", torch.device("cuda", 1))]
     # the allocator's retries since the last log, not PyTorch's running total
     later = [m.on_step_end(step)["vram/alloc_retries"] for step in (2, 3)]
