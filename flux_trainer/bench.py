@@ -403,8 +403,9 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
 
 def table(results: list[BenchResult]) -> str:
     head = (
-        f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'rsv pk':>6} {'card pk':>8} "
-        f"{'img/s':>5} {'TFLOP/s':>7} {'MFU':>5} {'W':>4} {'SM MHz':>6} {'1st step':>8} {'+s 1st/2nd':>11}"
+        f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'rsv pk':>6} "
+        f"{'card pk':>8} {'img/s':>5} {'TFLOP/s':>7} {'MFU':>5} {'W':>4} {'SM MHz':>6} "
+        f"{'1st step':>8} {'+s 1st/2nd':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
