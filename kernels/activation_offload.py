@@ -64,6 +64,10 @@ KEEP_LAST = 8
 KEEP_LAST_GRAPHS = 0
 KEEP_LAST_ENV = "FLUX_KERNELS_OFFLOAD_KEEP_LAST"  # another count, for measuring the trade
 MIN_BYTES_ENV = "FLUX_KERNELS_OFFLOAD_MIN_MIB"  # another threshold (MiB), likewise
+# "1": views with gaps go too (their elements, packed on the host; back into a buffer of their strides). Off by
+# default: such a view keeps its whole storage on the card (lora_fold's blocks save views of its concatenated input:
+# ~27 MiB a single block), but taking them adds to the host link's traffic, which measured faster left alone
+VIEWS_ENV = "FLUX_KERNELS_OFFLOAD_VIEWS"
 # with CUDA graphs: block calls an offloaded group's GPU tensors outlive it, so their copies (~1.5 ms a block on the
 # H200) run beside the next blocks' compute before the compute stream waits for them
 HOLD = 2
@@ -81,6 +85,7 @@ class Group:
     prev: Callable[[], Group | None]  # the group saved before this one in the same forward (a weak reference)
     index: int = 0  # its place in the forward's groups
     pending: list[Tensor] = field(default_factory=list)  # saved during the call, copied out when it returns
+    layout: list[tuple] = field(default_factory=list)  # (shape, stride) of each offloaded tensor, as it comes back
     gpu: list[Tensor] = field(default_factory=list)  # with CUDA graphs: the copied GPU tensors, until released
     host: list[Tensor] = field(default_factory=list)
     back: list[Tensor] = field(default_factory=list)  # the reloaded GPU tensors, once the reload started
@@ -98,9 +103,10 @@ class Packed:
 class Offloader:
     """The saved-tensor hooks of one model's checkpointed blocks (see the module docstring)."""
 
-    def __init__(self, model: nn.Module | None = None, min_bytes: int = MIN_BYTES, hold: int = 0):
+    def __init__(self, model: nn.Module | None = None, min_bytes: int = MIN_BYTES, hold: int = 0, views: bool = False):
         self.model = weakref.ref(model) if model is not None else (lambda: None)
         self.min_bytes = min_bytes
+        self.views = views  # views with gaps go too (VIEWS_ENV)
         self.hold = hold  # > 0 (CUDA graphs): copied GPU tensors live this many more block calls (see above)
         self._held: deque[Group] = deque()  # groups whose GPU tensors are held, oldest first
         # host buffers free for reuse, by (shape, stride, dtype), each with the event after which its last reload
@@ -164,7 +170,7 @@ class Offloader:
             and t.numel() * t.element_size() >= self.min_bytes
             and not isinstance(t, nn.Parameter)
             and t.untyped_storage().data_ptr() not in self._frozen
-            and dense(t)
+            and (dense(t) or (self.views and not overlapping(t)))
         )
 
     # ---- the hooks -------------------------------------------------------------------------------------------------
@@ -198,6 +204,7 @@ class Offloader:
         pending, g.pending = g.pending, []
         if not pending:
             return
+        g.layout = [(tuple(t.shape), t.stride()) for t in pending]
         streams = self._streams_of(g.device)
         if streams is None:
             g.host = [self._host_buffer(t)[0] for t in pending]
@@ -235,15 +242,21 @@ class Offloader:
         g.loading = True
         streams = self._streams_of(g.device)
         if streams is None:
-            g.back = [h.to(g.device, copy=True) for h in g.host]
+            g.back = [
+                torch.empty_strided(shape, stride, dtype=h.dtype, device=g.device).copy_(h)
+                for h, (shape, stride) in zip(g.host, g.layout, strict=True)
+            ]
             read = None
         else:
             back = streams[1]
             compute = torch.cuda.current_stream(g.device)
             if self.hold:
-                g.back = [self._ring_buffer(g, slot, h) for slot, h in enumerate(g.host)]
+                g.back = [self._ring_buffer(g, slot, h, *g.layout[slot]) for slot, h in enumerate(g.host)]
             else:
-                g.back = [torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=g.device) for h in g.host]
+                g.back = [
+                    torch.empty_strided(shape, stride, dtype=h.dtype, device=g.device)
+                    for h, (shape, stride) in zip(g.host, g.layout, strict=True)
+                ]
             back.wait_stream(compute)  # the new tensors' memory may still be in use by earlier compute work
             if g.saved is not None:
                 back.wait_event(g.saved)  # the copies to the host are done
@@ -259,19 +272,21 @@ class Offloader:
             self.pool.setdefault(_key(h), []).append((h, read))
         g.host = []
 
-    def _ring_buffer(self, g: Group, slot: int, like: Tensor) -> Tensor:
+    def _ring_buffer(self, g: Group, slot: int, host: Tensor, shape: tuple, stride: tuple) -> Tensor:
         """The GPU buffer a group's slot reloads into under CUDA graphs: the same one every step."""
-        key = (g.index % RING, slot, *_key(like))
+        key = (g.index % RING, slot, shape, stride, host.dtype)
         if key not in self._ring:
-            self._ring[key] = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=g.device)
+            self._ring[key] = torch.empty_strided(shape, stride, dtype=host.dtype, device=g.device)
         return self._ring[key]
 
     def _host_buffer(self, t: Tensor) -> tuple[Tensor, Any]:
-        free = self.pool.get(_key(t))
+        """A free host buffer for t: its strides where t is dense, else packed (a view's elements, not its gaps)."""
+        stride = t.stride() if dense(t) else torch.empty(t.shape, device="meta").stride()
+        free = self.pool.get((tuple(t.shape), stride, t.dtype))
         if free:
             return free.pop()
         pin = t.device.type == "cuda"
-        buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
+        buf = torch.empty_strided(t.shape, stride, dtype=t.dtype, device="cpu", pin_memory=pin)
         self.host_bytes += buf.untyped_storage().nbytes()
         return buf, None
 
@@ -292,6 +307,17 @@ def dense(t: Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def overlapping(t: Tensor) -> bool:
+    """Whether two of t's elements may share memory (a broadcast or other overlapping view); a view with gaps
+    between its elements is not overlapping."""
+    reach = 0  # the largest offset the dimensions so far reach
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def _key(t: Tensor) -> tuple:
@@ -354,7 +380,8 @@ def install(
         min_bytes = MIN_BYTES_GRAPHS if graphs else MIN_BYTES
     keep_last = int(os.environ.get(KEEP_LAST_ENV, keep_last))
     min_bytes = int(float(os.environ.get(MIN_BYTES_ENV, min_bytes / 2**20)) * 2**20)
-    offloader = Offloader(model, min_bytes=min_bytes, hold=HOLD if graphs else 0)
+    views = os.environ.get(VIEWS_ENV, "") == "1"
+    offloader = Offloader(model, min_bytes=min_bytes, hold=HOLD if graphs else 0, views=views)
     model.__dict__[ATTR] = offloader
     offloader.blocks, offloader.keep_last = blocks, keep_last
     for b in blocks:
@@ -364,6 +391,7 @@ def install(
         f"activation_offload: {len(blocks)} blocks' saved tensors of >= {min_bytes / 2**20:g} MiB to page-locked "
         f"host memory when checkpointed (not the last {keep_last}), reloaded one block ahead in backward"
         + (f"; CUDA graphs: each block's tensors held {HOLD} block calls, until copied" if graphs else "")
+        + ("; views with gaps too" if views else "")
     )
 
 

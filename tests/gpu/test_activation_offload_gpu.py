@@ -161,3 +161,19 @@ def test_with_cuda_graphs_late_copies_still_read_what_the_blocks_saved(fm, dev, 
     assert off.step_tensors >= 8  # four groups: the blocks' inputs and selective outputs
     assert all(torch.isfinite(t).all() for t in got[-1])
     assert max(errors) <= max(2 * max(noise), 1e-4), (errors, noise)
+
+
+def test_a_view_with_gaps_goes_to_the_host_and_back_on_the_gpu(dev):
+    """`views=True` (FLUX_KERNELS_OFFLOAD_VIEWS=1): sin saves its input, a view with gaps; it goes through the
+    streams and page-locked memory packed, comes back at its strides, and the gradient is exact."""
+    off = ao.Offloader(min_bytes=0, views=True)
+    x = torch.randn(256, 1040, device=dev, requires_grad=True)
+    with off.group(x.device):
+        v = (x * 2)[:, :1024]
+        y = v.sin().sum()
+    del v
+    y.backward()
+    torch.cuda.synchronize()
+    assert off.step_tensors == 1 and off.step_bytes == 256 * 1024 * 4
+    assert torch.equal(x.grad[:, :1024], 2 * torch.cos(2 * x.detach()[:, :1024]))
+    assert not x.grad[:, 1024:].any()

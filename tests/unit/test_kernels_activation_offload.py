@@ -63,6 +63,36 @@ def test_what_goes_to_the_host_and_what_stays():
     assert off.offloads(_random(64, 16).t())  # dense, transposed: comes back with its strides
 
 
+def test_views_with_gaps_go_when_asked_packed_on_the_host_and_back_at_their_strides():
+    """FLUX_KERNELS_OFFLOAD_VIEWS=1: a view with gaps (lora_fold's blocks save views of its concatenated input) goes
+    too: its elements only on the host, back into a buffer of its own strides; overlapping views never go."""
+    base = _random(16, 131)
+    gapped = base[:, 3:67]  # rows 131 apart: 64 of each row's 131 elements
+    assert not ao.Offloader(min_bytes=0).offloads(gapped)
+    off = ao.Offloader(min_bytes=0, views=True)
+    assert off.offloads(gapped) and off.offloads(base[:, ::2])
+    assert not off.offloads(_random(1, 64).expand(16, 64))  # overlapping: one row 16 times
+    cpu = torch.device("cpu")
+    dense_t = _random(16, 8).t()
+    with off.group(cpu):
+        pg, pd = off.pack(off._last(), gapped), off.pack(off._last(), dense_t)
+    host = off._last().host
+    assert host[0].is_contiguous() and host[0].untyped_storage().nbytes() == gapped.numel() * 4  # no gaps copied
+    got_g, got_d = off.unpack(pg), off.unpack(pd)
+    for got, want in ((got_g, gapped), (got_d, dense_t)):
+        assert torch.equal(got, want) and got.stride() == want.stride() and got.data_ptr() != want.data_ptr()
+
+
+def test_install_reads_the_views_switch(fm, monkeypatch):
+    for value, want in (("1", True), ("", False)):
+        monkeypatch.setenv(ao.VIEWS_ENV, value)
+        model = tiny_flux(fm)
+        for b in model.double_blocks + model.single_blocks:
+            b._compiled_call_impl = b._call_impl  # stands in for compile_blocks (install only checks it is there)
+        line = ao.install(model)
+        assert ao.offloader_of(model).views is want and ("views with gaps" in line) is want
+
+
 def test_each_tensor_comes_back_to_its_slot_with_its_strides_and_the_earlier_group_is_prefetched():
     off = ao.Offloader(min_bytes=0)
     cpu = torch.device("cpu")
