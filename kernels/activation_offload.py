@@ -28,12 +28,12 @@ they hold); a buffer's next copy to the host waits on the GPU for its last reloa
 nothing changes numerically.
 
 Not offloaded: tensors under MIN_BYTES (modulation vectors, RoPE tables, LoRA down-projections, the attention's
-log-sum-exp: little memory, and each copy has a fixed cost), non-dense views, the last KEEP_LAST checkpointed
-blocks' tensors (backward needs them first, while the copies of the forward's last blocks are still queued: on the
-H200 the copies each way run at ~55 GB/s, 4.6 GiB a step at 1024² takes ~90 ms, about a forward's time; with CUDA
-graphs the copies cannot queue up, since the compute stream waits for them HOLD blocks later, and the CPU launches
-nothing per copy, so there MIN_BYTES_GRAPHS and KEEP_LAST_GRAPHS apply), and blocks that are not checkpointed
-(their activations are ~10x larger: the copies would take longer than the recompute they replace). Needs
+log-sum-exp: little memory, and each copy has a fixed cost), views with gaps (unless VIEWS_ENV is "1"), the last
+KEEP_LAST checkpointed blocks' tensors (backward needs them first, while the copies of the forward's last blocks are
+still queued: on the H200 the copies each way run at ~55 GB/s, 4.6 GiB a step at 1024² takes ~90 ms, about a forward's
+time; with CUDA graphs the copies cannot queue up, since the compute stream waits for them HOLD blocks later, and the
+CPU launches nothing per copy, so there MIN_BYTES_GRAPHS and KEEP_LAST_GRAPHS apply), and blocks that are not
+checkpointed (their activations are ~10x larger: the copies would take longer than the recompute they replace). Needs
 `compile_blocks` (under sd-scripts' eager checkpointing the kept tensors never pass through saved-tensor hooks).
 Nothing here imports sd-scripts.
 """
