@@ -25,6 +25,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,11 +84,27 @@ def _reading(fn) -> float | None:
         return None
 
 
-class CardPoller:
-    """The whole card through NVML, sampled every 0.25 s on a thread: the peak of its used memory, and its power
-    draw and SM clock with the time of each sample (`samples`). Nothing without NVML."""
+def case_cards(overrides: list[str], visible: str | None = None) -> list[int] | None:
+    """NVML indices of the cards a case trains on: accelerate gives its N processes (`launcher.gpus=N`, default 1)
+    the first N visible GPUs, which CUDA_VISIBLE_DEVICES (`visible`, else the environment's) may name by index;
+    None for every visible card (`launcher.gpus=all`)."""
+    gpus = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("launcher.gpus=")), "1")
+    if visible is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    named = [v.strip() for v in visible.split(",")] if visible else []
+    order = [int(v) for v in named] if named and all(v.isdigit() for v in named) else None
+    if gpus.strip("'\"") == "all":
+        return order
+    n = int(gpus) if gpus.isdigit() else 1
+    return (order or list(range(n)))[:n]
 
-    def __init__(self, index: int = 0, period_s: float = 0.25, nvml: Any = None) -> None:
+
+class CardPoller:
+    """The cards a case trains on (`indices`, NVML's; None: every card) through NVML, sampled every 0.25 s on a
+    thread: the peak of used memory of the fullest card, and the first card's power draw and SM clock with the time
+    of each sample (`samples`). Nothing without NVML."""
+
+    def __init__(self, indices: Sequence[int] | None = (0,), period_s: float = 0.25, nvml: Any = None) -> None:
         self.peak_bytes: int | None = None
         self.samples: list[tuple[float, float | None, float | None]] = []  # (time.time(), watts, MHz)
         self._stop = threading.Event()
@@ -96,15 +113,17 @@ class CardPoller:
             if nvml is None:
                 import pynvml as nvml
             nvml.nvmlInit()
-            self._nvml, self._handle = nvml, nvml.nvmlDeviceGetHandleByIndex(index)
+            if indices is None:
+                indices = list(range(nvml.nvmlDeviceGetCount()))
+            self._nvml, self._handles = nvml, [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
         except Exception:  # noqa: BLE001 - no NVML, no card: no reading
             self._nvml = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        n, h = self._nvml, self._handle
+        n, h = self._nvml, self._handles[0]
         while not self._stop.is_set():
-            used = n.nvmlDeviceGetMemoryInfo(h).used
+            used = max(n.nvmlDeviceGetMemoryInfo(card).used for card in self._handles)
             self.peak_bytes = max(self.peak_bytes or 0, used)
             watts = _reading(lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0)
             mhz = _reading(lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM))
@@ -326,7 +345,7 @@ def run_case(name: str, overrides: list[str], res: int, ns: argparse.Namespace, 
         *ns.overrides,
     ]
     t0 = time.time()
-    with CardPoller() as poller:
+    with CardPoller(case_cards(full)) as poller:
         code = run_training(full, [*user_config_dirs(), configs])
     runs = sorted((root / name).glob("*/"))
     result = BenchResult(case=name, overrides=full, exit_code=code, card_peak_gib=poller.peak_gib)
@@ -374,7 +393,7 @@ def run_baseline(ours: BenchResult, ns: argparse.Namespace) -> BenchResult:
     env = {**os.environ, **json.loads((run_dir / "env.json").read_text()).get("env", {})}
     env.pop(VRAM_CAP_ENV, None)
     t0 = time.time()
-    with CardPoller() as poller:
+    with CardPoller(case_cards(ours.overrides)) as poller:
         code = run_supervised(cmd, env, out / "train.log")
     result = BenchResult(
         case=f"{ours.case} (plain sd-scripts)",

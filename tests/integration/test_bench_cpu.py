@@ -199,6 +199,18 @@ def test_step_stats_peaks_are_the_largest_of_any_logged_step(tmp_path):
     assert "rsv pk" in out and "     7.2    9.8 " in out
 
 
+def test_case_cards_are_the_first_n_visible_gpus_of_the_case():
+    from flux_trainer.bench import case_cards
+
+    assert case_cards(["memory=vram80"], visible="") == [0]
+    assert case_cards(["launcher.gpus=2"], visible="") == [0, 1]
+    assert case_cards(["launcher.gpus=2"], visible="3,1,0") == [3, 1]  # accelerate's ranks take them in this order
+    assert case_cards(["launcher.gpus=1", "launcher.gpus=2"], visible="5") == [5]  # the last override wins; one card
+    assert case_cards(["launcher.gpus=all"], visible="2,3") == [2, 3]
+    assert case_cards(["launcher.gpus=all"], visible="") is None  # every card
+    assert case_cards(["launcher.gpus=2"], visible="GPU-aa,GPU-bb") == [0, 1]  # named by UUID: by position
+
+
 def test_card_poller_samples_memory_power_and_clock_and_takes_medians_over_the_measured_steps():
     """The poller reads used memory, power and SM clock through NVML (a stand-in here) on its thread; a board that
     refuses a reading leaves it None, and the medians count only the samples inside the measured steps' window."""
@@ -231,6 +243,24 @@ def test_card_poller_samples_memory_power_and_clock_and_takes_medians_over_the_m
     with CardPoller(period_s=0.005, nvml=Nvml()) as poller:
         time.sleep(0.1)
     assert len(poller.samples) >= 2 and poller.peak_gib == len(poller.samples)
+
+    class TwoCards(Nvml):  # the second card fuller: its memory is the peak; power and clock are the first card's
+        def nvmlDeviceGetCount(self):
+            return 2
+
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            return SimpleNamespace(used=(1 + 2 * handle) * 2**30)
+
+        def nvmlDeviceGetPowerUsage(self, handle):
+            return 100_000 * (handle + 1)
+
+    for indices in ([0, 1], None):
+        with CardPoller(indices, period_s=0.005, nvml=TwoCards()) as two:
+            time.sleep(0.05)
+        assert two.peak_gib == 3.0 and {w for _, w, _ in two.samples} == {100.0}
+    with CardPoller([0], period_s=0.005, nvml=TwoCards()) as first:
+        time.sleep(0.05)
+    assert first.peak_gib == 1.0
     assert {(w, c) for _, w, c in poller.samples} == {(690.5, None)}
     assert poller.during((0.0, time.time())) == {"power_w": 690.5}  # no clock reading: no clock median
     poller.samples = [(1.0, 300.0, 1980.0), (2.0, 690.0, 1700.0), (3.0, 700.0, None), (4.0, 695.0, 1755.0)]
