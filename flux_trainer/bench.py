@@ -158,6 +158,13 @@ class CardPoller:
         return out
 
 
+# tags read as their largest value over the run (with several processes, rank 0 logs its own peaks every step and
+# the largest of any process's torch peak every 25 steps, from the 25th)
+PEAK_TAGS = {
+    "vram/peak_gib": "torch_peak_gib",
+    "vram/peak_gib_max_over_ranks": "torch_peak_gib",
+    "vram/reserved_peak_gib": "reserved_peak_gib",
+}
 # tags read as their median after the warm-up (the first of two tags for one key wins)
 LATE_TAGS = {
     "throughput/tflops": "tflops",
@@ -180,7 +187,7 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
         scalars = acc.Tags().get("scalars", [])
         if "loss/current" in scalars:
             wall.update({e.step: e.wall_time for e in acc.Scalars("loss/current")})
-        for tag in ("vram/peak_gib", "vram/reserved_peak_gib", "time/step_s", "time/data_s", *LATE_TAGS):
+        for tag in (*PEAK_TAGS, "time/step_s", "time/data_s", *LATE_TAGS):
             if tag in scalars:
                 tags.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     steps = sorted(wall)
@@ -194,9 +201,9 @@ def step_stats(tb_dir: Path, warmup: int) -> dict:
     if step_s and deltas:
         for key, step in zip(("step1_extra_s", "step2_extra_s"), sorted(step_s), strict=False):
             out[key] = step_s[step] - data_s.get(step, 0.0) - out["s_per_step"]
-    for tag, key in (("vram/peak_gib", "torch_peak_gib"), ("vram/reserved_peak_gib", "reserved_peak_gib")):
+    for tag, key in PEAK_TAGS.items():
         if tags.get(tag):
-            out[key] = max(v for _, v in tags[tag])
+            out[key] = max(out.get(key, 0.0), *(v for _, v in tags[tag]))
     for tag, key in LATE_TAGS.items():
         late = [v for s, v in tags.get(tag, []) if s > warmup]
         if late and key not in out:

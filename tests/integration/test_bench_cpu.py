@@ -194,6 +194,10 @@ def test_step_stats_peaks_are_the_largest_of_any_logged_step(tmp_path):
     writer.close()
     stats = step_stats(tmp_path / "tb", warmup=1)
     assert (stats["torch_peak_gib"], stats["reserved_peak_gib"]) == (7.25, 9.75)
+    writer = SummaryWriter(str(tmp_path / "tb"))  # several processes: another's torch peak, every 25 steps
+    writer.add_scalar("vram/peak_gib_max_over_ranks", 8.5, 3)
+    writer.close()
+    assert step_stats(tmp_path / "tb", warmup=1)["torch_peak_gib"] == 8.5
     stats.pop("window"), stats.pop("first_wall")
     out = table([BenchResult(case="c", overrides=[], exit_code=0, **stats)])
     assert "rsv pk" in out and "     7.2    9.8 " in out
