@@ -26,6 +26,7 @@ from flux_trainer.config.validate import (
     cuda_graphs_decision,
     cuda_graphs_setting,
     fp8_keep_transposed_decision,
+    offload_views_decision,
     tier_gib,
     validate,
 )
@@ -135,6 +136,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
     cuda_graphs_asked = cuda_graphs_setting(cfg) == "true"
     fp8_keep_transposed = fp8_keep_transposed_decision(cfg)
     combo_kernels = combo_kernels_decision(cfg)
+    offload_views = offload_views_decision(cfg)
     absolute_paths(cfg)
     try:
         checkout = sd_checkout.locate(cfg.sd_scripts)
@@ -210,6 +212,7 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
                 "cuda_graphs_asked": cuda_graphs_asked,
                 "fp8_keep_transposed": fp8_keep_transposed,
                 "combo_kernels": combo_kernels,
+                "offload_views": offload_views,
             },
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",

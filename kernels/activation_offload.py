@@ -64,7 +64,8 @@ KEEP_LAST = 8
 KEEP_LAST_GRAPHS = 0
 KEEP_LAST_ENV = "FLUX_KERNELS_OFFLOAD_KEEP_LAST"  # another count, for measuring the trade
 MIN_BYTES_ENV = "FLUX_KERNELS_OFFLOAD_MIN_MIB"  # another threshold (MiB), likewise
-# "1": views with gaps go too (their elements, packed on the host; back into a buffer of their strides). Off by
+# "1": views with gaps go too (their elements, packed on the host; back into a buffer of their strides), as the
+# install's `views` (flux-train's kernels.offload_views) asks; "0" keeps them on the card either way. Off by
 # default: such a view keeps its whole storage on the card (lora_fold's blocks save views of its concatenated input:
 # ~27 MiB a single block), but taking them adds to the host link's traffic, which measured faster left alone
 VIEWS_ENV = "FLUX_KERNELS_OFFLOAD_VIEWS"
@@ -356,7 +357,12 @@ def _wrap(block: nn.Module, offloader: Offloader) -> None:
 
 
 def install(
-    model: nn.Module, min_bytes: int | None = None, keep_last: int | None = None, graphs: bool = False, **_
+    model: nn.Module,
+    min_bytes: int | None = None,
+    keep_last: int | None = None,
+    graphs: bool = False,
+    views: bool = False,
+    **_,
 ) -> str:
     """Route the compiled blocks' checkpointed calls through one Offloader (`graphs`: the compiled blocks replay
     from CUDA graphs). Raises KernelError without compiled blocks, and with block swap or CPU-offloaded
@@ -380,7 +386,8 @@ def install(
         min_bytes = MIN_BYTES_GRAPHS if graphs else MIN_BYTES
     keep_last = int(os.environ.get(KEEP_LAST_ENV, keep_last))
     min_bytes = int(float(os.environ.get(MIN_BYTES_ENV, min_bytes / 2**20)) * 2**20)
-    views = os.environ.get(VIEWS_ENV, "") == "1"
+    asked = os.environ.get(VIEWS_ENV, "").strip()  # set and not empty: wins over `views`, as the other two
+    views = asked == "1" if asked else views
     offloader = Offloader(model, min_bytes=min_bytes, hold=HOLD if graphs else 0, views=views)
     model.__dict__[ATTR] = offloader
     offloader.blocks, offloader.keep_last = blocks, keep_last

@@ -109,6 +109,7 @@ class KernelsConfig:
     cuda_graphs: str = "auto"  # auto | true | false: the compiled blocks replay from CUDA graphs (see validate)
     fp8_keep_transposed: str = "auto"  # auto | true | false: fp8_matmul keeps its weights' transposes (see validate)
     combo_kernels: bool = False  # the compiled blocks launch independent small kernels as one (see validate)
+    offload_views: bool = False  # activation_offload takes views with gaps to the host too (see validate)
 
 
 @dataclass

@@ -567,8 +567,11 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
         inductor["combo_kernels"] = True
     if inductor:
         options["compile_blocks"] = {"options": inductor}
-    if graphs:
-        options["activation_offload"] = {"graphs": True}  # its copies must not race the replays
+    offload = {"graphs": True} if graphs else {}  # its copies must not race the replays
+    if kernels.get("offload_views"):
+        offload["views"] = True
+    if offload:
+        options["activation_offload"] = offload
     seconds: dict[str, float] = {}
     installed = patch.apply_kernels(unet, selection, options=options, seconds=seconds)
     log.info("kernels: probes %s; installing %s", selection.probe_time(), registry.seconds_by_name(seconds))

@@ -62,6 +62,16 @@ def test_combo_kernels_reach_the_runner(workdir):
     assert RunnerSpec.read(second).kernels["combo_kernels"] is True
 
 
+def test_offload_views_reach_the_runner(workdir):
+    """Off by default; kernels.offload_views=true (with activation_offload) reaches the training process."""
+    args = ["+dataset=mychar", "dry_run=true", "kernels.set='auto,activation_offload'", "memory=vram48"]
+    assert main([*args, "train.output_name=a"]) == 0
+    assert main([*args, "train.output_name=b", "kernels.offload_views=true"]) == 0
+    first, second = run_dirs(workdir)
+    assert RunnerSpec.read(first).kernels["offload_views"] is False
+    assert RunnerSpec.read(second).kernels["offload_views"] is True
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

@@ -128,6 +128,22 @@ def test_combo_kernels_join_the_compile_options_where_blocks_are_compiled(monkey
     assert "compile_blocks" not in seen
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_offload_views_reach_activation_offload(monkeypatch, graphs):
+    seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
+    hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": graphs, "offload_views": True}, "cuda")
+    assert seen["activation_offload"] == {**({"graphs": True} if graphs else {}), "views": True}
+
+
+def test_offload_views_are_off_unless_asked_and_need_activation_offload(compose):
+    from flux_trainer.config.validate import offload_views_decision
+
+    assert offload_views_decision(compose("+dataset=mychar", "kernels=offload")) is False
+    assert offload_views_decision(compose("+dataset=mychar", "kernels=offload", "kernels.offload_views=true")) is True
+    with pytest.raises(ConfigError, match="kernels.offload_views=true: kernels.set=auto does not offload"):
+        offload_views_decision(compose("+dataset=mychar", "kernels.offload_views=true"))
+
+
 @pytest.mark.parametrize(("overrides", "want"), [([], False), (["kernels.combo_kernels=true"], True)])
 def test_combo_kernels_are_off_unless_asked(compose, overrides, want):
     from flux_trainer.config.validate import combo_kernels_decision

@@ -83,14 +83,15 @@ def test_views_with_gaps_go_when_asked_packed_on_the_host_and_back_at_their_stri
         assert torch.equal(got, want) and got.stride() == want.stride() and got.data_ptr() != want.data_ptr()
 
 
-def test_install_reads_the_views_switch(fm, monkeypatch):
-    for value, want in (("1", True), ("", False)):
-        monkeypatch.setenv(ao.VIEWS_ENV, value)
+def test_install_takes_views_as_asked_and_the_environment_wins_where_set(fm, monkeypatch):
+    """`views` (kernels.offload_views) unless FLUX_KERNELS_OFFLOAD_VIEWS is set and not empty."""
+    for env, asked, want in (("", False, False), ("", True, True), ("1", False, True), ("0", True, False)):
+        monkeypatch.setenv(ao.VIEWS_ENV, env)
         model = tiny_flux(fm)
         for b in model.double_blocks + model.single_blocks:
             b._compiled_call_impl = b._call_impl  # stands in for compile_blocks (install only checks it is there)
-        line = ao.install(model)
-        assert ao.offloader_of(model).views is want and ("views with gaps" in line) is want
+        line = ao.install(model, views=asked)
+        assert ao.offloader_of(model).views is want and ("views with gaps" in line) is want, (env, asked)
 
 
 def test_each_tensor_comes_back_to_its_slot_with_its_strides_and_the_earlier_group_is_prefetched():
