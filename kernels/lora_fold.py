@@ -312,7 +312,7 @@ def sync(folds: list[_Fold], model: nn.Module | None = None) -> None:
     """Re-home what is not yet (weights now on their training device), then copy every B into its buffer. The first
     re-homing on a CUDA device lays the model's frozen weights out anew with it (`compact`)."""
     moved = [f for f in folds if f.slot is None or f.slot.device != f.linear.weight.device]
-    first = len(moved) == len(folds) and all(f.slot is None for f in folds)
+    first = all(f.slot is None for f in folds)  # then every fold is in `moved`
     if moved and first and model is not None and COMPACT and all(f.linear.weight.is_cuda for f in moved):
         compact(model, moved)
     else:
