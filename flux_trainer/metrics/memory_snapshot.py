@@ -7,8 +7,9 @@ within the step that were still live when its allocated memory peaked, grouped b
 PyTorch and inductor's generated code (the line of sd-scripts or flux_kernels that asked for them). Tensors allocated
 before the step (the weights, the optimizer state) are not in the recording; the summary says how much the step
 added on top of them. Blocks replayed from CUDA graphs draw on the graphs' own pool, which the recording does not
-show; `kernels.cuda_graphs=false` for a step whose blocks should be in it. On a device that is not CUDA it logs
-that once and records nothing.
+show; `kernels.cuda_graphs=false` for a step whose blocks should be in it. The summary ends with what the allocator
+held after the step by pool and stream (`reserve_text`), the graphs' pools included: where a card's peak above the
+allocated one sits. On a device that is not CUDA it logs that once and records nothing.
 """
 
 from __future__ import annotations
@@ -85,6 +86,38 @@ def summary(step: int, trace: list[dict], top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def reserve_by_pool(segments: list[dict]) -> list[tuple[str, int, int, int]]:
+    """What the allocator held when the snapshot was taken, by pool and stream: (label, reserved bytes, of them
+    allocated, segments), largest reserve first. The allocator keeps what it reserved (it gives memory back only on
+    `empty_cache` or a failed allocation), so after the step this is its reserve at the step's peak: the card's peak
+    less the allocated peak is this reserve's unallocated part plus what the allocator does not hold. Memory
+    reserved in one pool (CUDA graphs record into private pools) or for one stream cannot serve another's
+    allocations, so a reserve split several ways is where a card's peak rises above the allocated one."""
+    groups: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for seg in segments:
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        label = "the default pool" if pool == (0, 0) else f"private pool {pool[0]}.{pool[1]} (CUDA graphs)"
+        group = groups[(label, int(seg.get("stream", 0)))]
+        group[0] += int(seg.get("total_size", 0))
+        group[1] += int(seg.get("allocated_size", 0))
+        group[2] += 1
+    rows = [(f"{label}, stream {stream:#x}", *v) for (label, stream), v in groups.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def reserve_text(segments: list[dict], top: int = 8) -> str:
+    rows = reserve_by_pool(segments)
+    total = sum(r[1] for r in rows)
+    held = sum(r[2] for r in rows)
+    lines = [
+        f"reserved after the step: {total / GIB:.2f} GiB in {sum(r[3] for r in rows)} segments, "
+        f"{held / GIB:.2f} GiB of it allocated; by pool and stream (reserved / allocated):"
+    ]
+    for label, size, allocated, n in rows[:top]:
+        lines.append(f"  {size / GIB:8.3f} / {allocated / GIB:7.3f} GiB  {n:4d} segments  {label}")
+    return "\n".join(lines)
+
+
 class MemorySnapshot:
     """Starts recording at the first micro-batch of optimizer step `at` and writes at the first one after it (or
     at `close`, where training ends inside the window). A failure is logged, never raised into training."""
@@ -135,6 +168,8 @@ class MemorySnapshot:
             index = getattr(device, "index", None) or 0
             traces = snapshot.get("device_traces", [])
             self.text = summary(self.at, traces[index] if index < len(traces) else [])
+            segments = [seg for seg in snapshot.get("segments", []) if seg.get("device", index) == index]
+            self.text += "\n" + reserve_text(segments)
             (self.out_dir / f"peak-rank{self.rank}.txt").write_text(self.text + "\n")
             log.info("%s\n(snapshot %s: open it at https://pytorch.org/memory_viz)", self.text, path)
             return True

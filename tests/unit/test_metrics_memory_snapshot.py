@@ -8,7 +8,7 @@ import pickle
 
 import torch
 
-from flux_trainer.metrics.memory_snapshot import MemorySnapshot, peak_live, summary, where
+from flux_trainer.metrics.memory_snapshot import MemorySnapshot, peak_live, reserve_by_pool, summary, where
 
 GIB = 2**30
 TORCH = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 10, "name": "linear"}
@@ -63,6 +63,35 @@ def test_peak_live_groups_what_was_live_at_the_peak_by_where_it_was_allocated():
     assert text.splitlines()[1].split() == ["2.500", "GiB", "2", "tensors", "lora_fold.py:92", "(forward)"]
 
 
+def seg(gib, allocated_gib, stream=0, pool=(0, 0), device=0):
+    return {
+        "device": device,
+        "total_size": int(gib * GIB),
+        "allocated_size": int(allocated_gib * GIB),
+        "stream": stream,
+        "segment_pool_id": pool,
+    }
+
+
+# two default-pool segments on stream 0, one in a graphs' pool, one on a side stream, one on another card
+SEGMENTS = [
+    seg(2.0, 1.5),
+    seg(1.0, 0.25),
+    seg(1.5, 0.5, pool=(1, 3)),
+    seg(0.5, 0, stream=0x55),
+    seg(4.0, 4.0, device=1),
+]
+
+
+def test_reserve_by_pool_splits_the_reserve_by_pool_and_stream():
+    rows = reserve_by_pool(SEGMENTS[:4])
+    assert rows == [
+        ("the default pool, stream 0x0", 3 * GIB, int(1.75 * GIB), 2),
+        ("private pool 1.3 (CUDA graphs), stream 0x0", int(1.5 * GIB), GIB // 2, 1),
+        ("the default pool, stream 0x55", GIB // 2, 0, 1),
+    ]
+
+
 class FakeMemory:
     def __init__(self):
         self.calls = []
@@ -71,7 +100,7 @@ class FakeMemory:
         self.calls.append(enabled)
 
     def _snapshot(self, device):
-        return {"segments": [], "device_traces": [TRACE]}
+        return {"segments": SEGMENTS, "device_traces": [TRACE]}
 
 
 def test_records_one_optimizer_step_and_writes_the_snapshot_and_its_peak(tmp_path, caplog):
@@ -86,6 +115,9 @@ def test_records_one_optimizer_step_and_writes_the_snapshot_and_its_peak(tmp_pat
     assert pickle.loads((tmp_path / "memory" / "snapshot-rank0.pickle").read_bytes())["device_traces"] == [TRACE]
     peak = (tmp_path / "memory" / "peak-rank0.txt").read_text()
     assert peak.startswith("memory of step 2: 3.50 GiB") and "memory_viz" in caplog.text
+    # device 1's segment is another card's: not in this one's reserve
+    assert "reserved after the step: 5.00 GiB in 4 segments, 2.25 GiB of it allocated" in peak
+    assert "   1.500 /   0.500 GiB     1 segments  private pool 1.3 (CUDA graphs), stream 0x0" in peak
 
 
 def test_a_run_that_ends_inside_the_step_writes_at_close_and_a_cpu_run_records_nothing(tmp_path, caplog):
