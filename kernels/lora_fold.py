@@ -24,7 +24,7 @@ where out_features >= WIDE * in_features: linear1 at first, and since the fold's
 against 0.3284 / 0.3267 s/step (H200, alternating, same peaks).
 
 Where the input is much wider than the output (linear2, the MLPs' second layer), the mirror fold (`FoldedDown`)
-stacks A below W instead, [W; A] in one [N + r, K] buffer:
+stacks A below W instead, [W; A] in one [N + r, K] buffer (with zero rows below A up to a multiple of `DOWN_ROWS`):
 
     [x Wᵀ, h] = x @ [W; A]ᵀ,  y = x Wᵀ + s·h Bᵀ + bias    h = x Aᵀ comes out of the frozen GEMM (one read of x)
     dx = [dY, s·dY @ B] @ [W; A]                         one GEMM over N + r; the concatenation copies the narrow dY
@@ -56,6 +56,11 @@ FOLDABLE = f"out >= {WIDE}x in or in >= {WIDE_IN}x out"  # the layers folded, as
 COMPACT = True  # the first re-homing on a CUDA device lays the model's frozen weights out anew (`compact`)
 COMPACT_MIN = 2**20  # bytes: smaller tensors live in the allocator's small pool, apart from the weights
 COMPACT_CHUNK = 256 * 2**20  # bytes copied before the old storage is released: the layout's transient
+# the mirror fold's [W; A] buffer gets zero rows up to a multiple of this: its GEMM's output [x Wᵀ, x Aᵀ] is then N + r
+# rounded up wide, a width inductor does not pad (it pads 3088 to 3136 for alignment), so a checkpointed block that
+# keeps it for backward keeps a dense tensor, which activation_offload can take to the host (a padded one it leaves
+# on the card: 27 MiB a single block at 1024²)
+DOWN_ROWS = 64
 
 
 def input_grad(dy: Tensor, wb: Tensor, a: Tensor, s: float) -> tuple[Tensor, Tensor]:
@@ -113,9 +118,9 @@ class FoldedDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, wa: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, s: float) -> Tensor:
-        n = b.shape[0]
-        yh = x @ wa.t()  # [x Wᵀ, x Aᵀ]
-        h = yh[:, n:].contiguous()
+        n, r = b.shape
+        yh = x @ wa.t()  # [x Wᵀ, x Aᵀ] (and zeros, where wa has rows of zeros below A: DOWN_ROWS)
+        h = yh[:, n : n + r].contiguous()
         ctx.save_for_backward(x, h, wa, b)
         ctx.s = s
         # not addmm: with the strided x Wᵀ as its input, it copies that into its output first; a pointwise sum is
@@ -128,7 +133,7 @@ class FoldedDown(torch.autograd.Function):
         x, h, wa, b = ctx.saved_tensors
         s = ctx.s
         dh = (dy @ b) * s
-        dx = torch.cat([dy, dh], dim=-1) @ wa
+        dx = torch.cat([dy, dh], dim=-1) @ wa[: sum(b.shape)]
         return dx, None, None, dh.t() @ x, (dy.t() @ h) * s, None
 
 
@@ -197,22 +202,24 @@ class _Fold:
         self.linear, self.lora, self.previous = linear, lora, previous
         self.side = side(linear)
         self.factor = lora.lora_up if self.side == "up" else lora.lora_down
-        self.slot: Tensor | None = None  # wb[:, K:] or wa[N:], where the factor's values go (once re-homed)
+        self.slot: Tensor | None = None  # wb[:, K:] or wa[N:N + r], where the factor's values go (once re-homed)
 
     def rehome(self) -> None:
-        """Move the frozen weight into a buffer beside B ([N, K + r]) or above A ([N + r, K]); the Linear's weight
-        becomes a view of it."""
+        """Move the frozen weight into a buffer beside B ([N, K + r]) or above A ([N + r, K], zero rows below A up to
+        a multiple of DOWN_ROWS); the Linear's weight becomes a view of it."""
         lin = self.linear
         w = lin.weight
         n, k = w.shape
         r = self.factor.weight.shape[1 if self.side == "up" else 0]
-        shape = (n, k + r) if self.side == "up" else (n + r, k)
+        shape = (n, k + r) if self.side == "up" else (-(-(n + r) // DOWN_ROWS) * DOWN_ROWS, k)
         buf = torch.empty(shape, dtype=w.dtype, device=w.device)
         view = buf[:, :k] if self.side == "up" else buf[:n]
         view.copy_(w.detach())
+        if self.side != "up":
+            buf[n + r :].zero_()
         lin.register_buffer(BUFFER, buf, persistent=False)
         lin.weight = nn.Parameter(view, requires_grad=False)
-        self.slot = buf[:, k:] if self.side == "up" else buf[n:]
+        self.slot = buf[:, k:] if self.side == "up" else buf[n : n + r]
 
 
 def _fold_forward(self: nn.Module, x: Tensor) -> Tensor:

@@ -177,3 +177,54 @@ def test_a_view_with_gaps_goes_to_the_host_and_back_on_the_gpu(dev):
     assert off.step_tensors == 1 and off.step_bytes == 256 * 1024 * 4
     assert torch.equal(x.grad[:, :1024], 2 * torch.cos(2 * x.detach()[:, :1024]))
     assert not x.grad[:, 1024:].any()
+
+
+def saved_tensors(block, args) -> list[torch.Tensor]:
+    """What one forward of `block(*args)` saves for backward (compiled code saves through the hooks too), without the
+    inputs and the block's parameters (frozen weights and LoRA factors)."""
+    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *(a for a in args if torch.is_tensor(a)))}
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(*args)
+    return saved
+
+
+@pytest.mark.parametrize("kernels", [[], ["lora_fold"]], ids=["auto", "auto+lora_fold"])
+def test_selectively_checkpointed_blocks_save_only_dense_tensors_that_offload_can_take(dev, fm, lora_flux, kernels):
+    """activation_offload leaves tensors with gaps on the card, and with them their whole storage: with lora_fold the
+    single blocks saved the mirror fold's [x Wᵀ, x Aᵀ] (4608 x 3088) at the row stride inductor padded it to (3136),
+    so under CUDA graphs 38 of them stayed in the graphs' pool (1.2 GiB of the card at vram48, every block
+    checkpointed, offload; lora_fold.DOWN_ROWS). Every saved tensor of 1 MiB or more must be dense."""
+    from flux_kernels import lora_fold
+    from flux_kernels.registry import unchecked
+    from tests.gpu.test_kernels_gpu import with_lora
+
+    torch._dynamo.reset()
+    model = with_lora(lora_flux, flux_blocks(fm, dev), dev)
+    blocks = {"double": model.double_blocks[0], "single": model.single_blocks[0]}
+    for b in blocks.values():
+        b.train().enable_gradient_checkpointing()
+    names = ["attention", "single_qkv", *kernels, "selective_checkpoint", "compile_blocks"]
+    patch.apply_kernels(model, unchecked(names), verify=False)
+    if kernels:
+        lora_fold.sync(model.__dict__[lora_fold.ATTR][1])  # the model's first forward does it in training
+    try:
+        gapped = []
+        for kind, block in blocks.items():
+            args = block_inputs(dev, kind)
+            for t in saved_tensors(block, args):
+                size, storage = t.numel() * t.element_size(), t.untyped_storage().nbytes()
+                print(f"\n  {kind}: {tuple(t.shape)} stride {t.stride()} {size / 2**20:.2f} MiB of a "
+                      f"{storage / 2**20:.2f} MiB storage, dense {ao.dense(t)}", end="")  # fmt: skip
+                if size >= 2**20 and not ao.dense(t):
+                    gapped.append((kind, tuple(t.shape), t.stride()))
+        assert gapped == []
+    finally:
+        patch.remove_kernels(model)
+        torch._dynamo.reset()

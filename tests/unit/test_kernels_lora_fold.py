@@ -169,10 +169,13 @@ def test_installed_on_widening_and_narrowing_layers_and_trains_like_sd_scripts_f
         opt_a.step()
         opt_b.step()
     wb, wa = getattr(model[0], lora_fold.BUFFER), getattr(model[2], lora_fold.BUFFER)
-    assert wb.shape == (112, 16 + 4) and wa.shape == (16 + 4, 112)
+    # [W; A] with zero rows up to DOWN_ROWS: its GEMM's output is a width inductor leaves unpadded (dense, so
+    # activation_offload takes it where a checkpointed block keeps it)
+    assert wb.shape == (112, 16 + 4) and wa.shape == (lora_fold.DOWN_ROWS, 112) and lora_fold.DOWN_ROWS >= 16 + 4
+    assert torch.count_nonzero(wa[16 + 4 :]) == 0
     for lin, buf in ((model[0], wb), (model[2], wa)):  # one copy of W
         assert lin.weight.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-    b_slot, a_slot = wb[:, 16:], wa[16:]
+    b_slot, a_slot = wb[:, 16:], wa[16:20]
     assert not torch.equal(b_slot, loras[0].lora_up.weight.detach())  # B moved on since the last forward
     assert not torch.equal(a_slot, loras[1].lora_down.weight.detach())  # and A
     model(x)
