@@ -131,9 +131,9 @@ class FoldedDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, h, wa, b = ctx.saved_tensors
-        s = ctx.s
+        s, (n, r) = ctx.s, b.shape
         dh = (dy @ b) * s
-        dx = torch.cat([dy, dh], dim=-1) @ wa[: sum(b.shape)]
+        dx = torch.cat([dy, dh], dim=-1) @ wa[: n + r]  # not the zero rows
         return dx, None, None, dh.t() @ x, (dy.t() @ h) * s, None
 
 
