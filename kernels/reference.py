@@ -108,26 +108,34 @@ def max_rel_err(got: Tensor, want: Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
 
 
-def saved_bytes(fn, args, also_skip=()) -> int:
-    """Bytes one forward of `fn(*args)` keeps for backward: distinct storages seen by saved_tensors_hooks (compiled
-    code saves through them too); the inputs (nested ones included), `fn`'s parameters (a module's) and
-    `also_skip` (e.g. a frozen weight a closure holds) not counted. How kernels are compared on memory."""
+def saved_tensors(fn, args, also_skip=()) -> list[torch.Tensor]:
+    """The tensors one forward of `fn(*args)` keeps for backward, as saved_tensors_hooks see them (compiled code saves
+    through them too); the inputs (nested ones included), `fn`'s parameters (a module's) and `also_skip` (e.g. a
+    frozen weight a closure holds) left out, by storage."""
     from torch.utils._pytree import tree_flatten
 
     params = fn.parameters() if isinstance(fn, torch.nn.Module) else ()
     inputs = [t for t in tree_flatten(args)[0] if torch.is_tensor(t)]
     skip = {t.untyped_storage().data_ptr() for t in (*params, *inputs, *also_skip)}
-    seen: dict[int, int] = {}
+    saved: list[torch.Tensor] = []
 
     def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
+        if t.untyped_storage().data_ptr() not in skip:
+            saved.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
-    return sum(seen.values())
+    return saved
+
+
+def saved_bytes(fn, args, also_skip=()) -> int:
+    """Bytes one forward of `fn(*args)` keeps for backward: the distinct storages of `saved_tensors`. How kernels
+    are compared on memory."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved_tensors(fn, args, also_skip)
+    }
+    return sum(storages.values())
 
 
 def optimizer_probe(build, install, device, steps: int) -> tuple[float, list]:

@@ -179,22 +179,6 @@ def test_a_view_with_gaps_goes_to_the_host_and_back_on_the_gpu(dev):
     assert not x.grad[:, 1024:].any()
 
 
-def saved_tensors(block, args) -> list[torch.Tensor]:
-    """What one forward of `block(*args)` saves for backward (compiled code saves through the hooks too), without the
-    inputs and the block's parameters (frozen weights and LoRA factors)."""
-    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *(a for a in args if torch.is_tensor(a)))}
-    saved: list[torch.Tensor] = []
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(*args)
-    return saved
-
-
 @pytest.mark.parametrize("kernels", [[], ["lora_fold"]], ids=["auto", "auto+lora_fold"])
 def test_selectively_checkpointed_blocks_save_only_dense_tensors_that_offload_can_take(dev, fm, lora_flux, kernels):
     """activation_offload leaves tensors with gaps on the card, and with them their whole storage: with lora_fold the
@@ -202,6 +186,7 @@ def test_selectively_checkpointed_blocks_save_only_dense_tensors_that_offload_ca
     so under CUDA graphs 38 of them stayed in the graphs' pool (1.2 GiB of the card at vram48, every block
     checkpointed, offload; lora_fold.DOWN_ROWS). Every saved tensor of 1 MiB or more must be dense."""
     from flux_kernels import lora_fold
+    from flux_kernels.reference import saved_tensors
     from flux_kernels.registry import unchecked
     from tests.gpu.test_kernels_gpu import with_lora
 
