@@ -489,6 +489,17 @@ def gradient_layout_error(
     return _rel_err(got, want)
 
 
+def without_cudnn() -> contextlib.AbstractContextManager:
+    """SDPA with every backend but cuDNN's, for sd-scripts' own blocks run beside patched ones at one shape.
+    PyTorch's cuDNN attention keys its cached backward without the incoming gradient's layout (`heads_to_tokens`),
+    and sd-scripts' blocks hand back another layout than the patched ones: in one process, whichever ran second at
+    a shape got wrong gradients. `patch.verify_blocks` runs its reference under this, so the attention probe at the
+    verify shape (the patched block's first call there) finds cuDNN as it is."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def chosen(results: Sequence[BackendResult]) -> str | None:
     return next((r.name for r in results if r.chosen), None)
 

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from flux_kernels import fast, lora_fold, reference
-from flux_kernels.attention import heads_to_tokens
+from flux_kernels.attention import heads_to_tokens, without_cudnn
 from flux_kernels.single_qkv import double_qkv, single_qkv
 
 log = logging.getLogger(__name__)
@@ -448,8 +448,9 @@ def _verify_block(block: nn.Module, kind: str, device, dtype, amp, tolerance: fl
         args = _verify_inputs(block, kind, device, dtype, with_mask)
         wrt = [a for a in args if isinstance(a, Tensor) and a.requires_grad]
         with torch.enable_grad(), amp:
-            try:
-                want = _outs_and_grads(type(block)._forward, block, args, wrt)
+            try:  # not through cuDNN: its backward cache at this shape would then be wrong for the patched block's
+                with without_cudnn():  # layout, and the attention probe there (next) would reject it
+                    want = _outs_and_grads(type(block)._forward, block, args, wrt)
             except Exception as e:  # noqa: BLE001 - sd-scripts' own forward cannot run here; nothing to compare
                 notes.append(f"{kind} block not verified: its original forward failed here ({type(e).__name__})")
                 break

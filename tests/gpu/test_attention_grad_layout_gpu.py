@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flux_kernels import attention, patch
 from flux_kernels.registry import unchecked
+from tests.conftest import flux_block_pair
 from tests.gpu.test_kernels_gpu import block_inputs, flux_blocks, outs_and_grads, rel, upcast
 
 pytestmark = [
@@ -57,3 +58,22 @@ def test_patched_blocks_after_the_probe_match_fp32(dev, fm, compiled, tmp_path):
     # whether this torch still has the fault, at a fresh shape (printed only; the assertions do not depend on it)
     err = attention.gradient_layout_error("sdpa_cudnn", dev, shape=(1, 24, lt + li + 8, 128))
     print(f"  cuDNN attention with a second gradient layout: max rel. error {err:.2g} against fp32")
+
+
+def test_verify_blocks_leaves_cudnn_right_for_the_probe_at_its_shape(dev, fm, tmp_path):
+    """verify_blocks runs sd-scripts' block and then the patched one on its tiny inputs (8 tokens), and the patched
+    block's first call there probes attention. Its reference pass leaves cuDNN out: before, it went through cuDNN
+    with sd-scripts' gradient layout, and every GPU run's log then said cuDNN (and PyTorch's SDPA, which picks it) was
+    wrong at that shape (max rel. error 1.54 at (1, 24, 8, 128), H200). 12 heads: a shape no other test uses."""
+    model = flux_block_pair(fm, 1536, 12, 0.02).to(dev, torch.bfloat16).requires_grad_(False)
+    ops = patch._ops_of(model)
+    ops.attention = attention.AttentionDispatch(
+        cache_path=tmp_path / "probe.json", backends={"sdpa_cudnn": attention.BACKENDS["sdpa_cudnn"]}, device=dev
+    )
+    try:
+        assert patch.verify_blocks(model) == []
+        for mask in (False, True):
+            key = ops.attention.shape_key((1, 12, 8, 128), torch.bfloat16, dev, mask)
+            assert ops.attention.choice.get(key) == "sdpa_cudnn", (mask, ops.attention.choice)
+    finally:
+        patch.remove_kernels(model)

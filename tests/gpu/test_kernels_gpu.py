@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flux_kernels import fast, fp8, patch, reference
-from flux_kernels.attention import chosen, probe_attention
+from flux_kernels.attention import chosen, probe_attention, without_cudnn
 from flux_kernels.reference import saved_bytes
 from flux_kernels.registry import (
     FP8_TOLERANCE,
@@ -150,17 +150,6 @@ def block_inputs(dev, kind, lt=512, li=4096, mask=False):
     return rnd(1, lt + li, 3072), rnd(1, 3072), pe, m
 
 
-def without_cudnn_attention():
-    """For sd-scripts' own blocks as the reference next to patched blocks at the same shape: cuDNN attention off.
-    PyTorch's cuDNN attention keys its cached backward without the incoming gradient's layout
-    (flux_kernels.attention.heads_to_tokens), and sd-scripts' blocks hand back other layouts than the patched ones:
-    in one process, whichever ran second at a shape got wrong gradients (and the next test an illegal memory
-    access). Training never runs sd-scripts' blocks beside the patched ones at its shape; only these tests do."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 def peak_bytes(block, args) -> int:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -175,7 +164,7 @@ def test_full_size_blocks_patched_match_sd_scripts(dev, fm, mask):
     """Every kernel, compile_blocks included, installed as training installs them (verified on tiny inputs)."""
     model = flux_blocks(fm, dev)
     blocks = {"double": model.double_blocks[0], "single": model.single_blocks[0]}
-    with without_cudnn_attention():
+    with without_cudnn():
         want = {k: outs_and_grads(b, block_inputs(dev, k, mask=mask)) for k, b in blocks.items()}
     # not fp8_matmul (it would quantise this bf16 model: its own tests below), nor lora_fold and lora_grad_norms (no
     # LoRA here: their own tests), flux_prologue (the model's embedders, which two bare blocks do not have: its own
@@ -202,7 +191,7 @@ def test_full_size_compiled_blocks_keep_no_more_than_sd_scripts_compiled(dev, fm
     blocks = {"double": model.double_blocks[0], "single": model.single_blocks[0]}
     for b in blocks.values():
         b.compile()
-    with without_cudnn_attention():
+    with without_cudnn():
         want = {k: (saved_bytes(b, block_inputs(dev, k)), peak_bytes(b, block_inputs(dev, k))) for k, b in
                 blocks.items()}  # fmt: skip
     patch.remove_kernels(model)
@@ -230,7 +219,7 @@ def test_full_size_blocks_with_gradient_checkpointing(dev, fm):
     blocks = {"double": model.double_blocks[0].train(), "single": model.single_blocks[0].train()}
     for b in blocks.values():
         b.enable_gradient_checkpointing()
-    with without_cudnn_attention():
+    with without_cudnn():
         want = {k: outs_and_grads(b, block_inputs(dev, k, mask=True)) for k, b in blocks.items()}
     names = ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
     patch.apply_kernels(model, select(names, dev))
@@ -551,7 +540,7 @@ def test_plainly_checkpointed_compiled_blocks_keep_no_more_with_autograd_functio
     _, blocks = build()
     for b in blocks.values():
         b.compile()
-    with without_cudnn_attention():
+    with without_cudnn():
         want = {k: (saved_bytes(b, block_inputs(dev, k)), outs_and_grads(b, block_inputs(dev, k))) for k, b in
                 blocks.items()}  # fmt: skip
     torch._dynamo.reset()
@@ -560,7 +549,7 @@ def test_plainly_checkpointed_compiled_blocks_keep_no_more_with_autograd_functio
     if "lora_fold" in kernels:
         lora_fold.sync(model.__dict__[lora_fold.ATTR][1])  # the model's first forward does it in training
     try:
-        with without_cudnn_attention():
+        with without_cudnn():
             for kind, block in blocks.items():
                 saved = saved_bytes(block, block_inputs(dev, kind))
                 assert saved <= want[kind][0] + 2**20, (kind, saved, want[kind][0])
