@@ -536,6 +536,22 @@ def _probe_on(device: torch.device, *args, **kwargs) -> list[BackendResult]:
     return probe_attention(*args, **kwargs)
 
 
+def _fallback(results: Sequence[BackendResult], shape, dtype: torch.dtype, dev: torch.device, with_mask: bool) -> str:
+    """What runs where no probed backend passed: PyTorch's own SDPA, unless it was probed and failed too. Then
+    nothing correct is left (the math backend was not tried, its weights too large, or failed as well), and
+    KernelError says so: a rejected backend is never used, and training on wrong attention gradients would
+    only look like training."""
+    if not any(r.name == "sdpa" for r in results):
+        return "sdpa"
+    from flux_kernels.patch import KernelError
+
+    where = f"{tuple(shape)} {str(dtype).removeprefix('torch.')} mask={with_mask} on {as_device_info(dev).name}"
+    raise KernelError(
+        f"attention: no backend is correct at {where} ({describe(results)}). PyTorch's own SDPA, which sd-scripts "
+        "calls with the kernels off too, is among them: this PyTorch build's attention is wrong or broken on this GPU"
+    )
+
+
 class AttentionDispatch:
     """Callable (q, k, v, mask) -> [B, H, L, D] that uses the backend chosen by measurement.
 
@@ -582,7 +598,7 @@ class AttentionDispatch:
             _probe_on, dev, tuple(shape), dtype, dev, with_mask, backends=self.backends, cache_path=self.cache_path
         )
         took = time.perf_counter() - start  # a cached verdict's: its choice's check (and first call) alone
-        name = chosen(results) or "sdpa"
+        name = chosen(results) or _fallback(results, shape, dtype, dev, with_mask)
         log.info("attention %s %s mask=%s: %s (%s; %.1f s)", tuple(shape), dtype, with_mask, name,
                  describe(results) or "nothing ran", took)  # fmt: skip
         self.choice[self.shape_key(shape, dtype, dev, with_mask)] = name

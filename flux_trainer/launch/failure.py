@@ -110,6 +110,15 @@ _CAUSES: tuple[tuple[str, Callable[[re.Match, str | None], str]], ...] = (
         ),
     ),
     (
+        r"ERROR\s+kernels: attention:",  # flux_kernels.attention: no backend correct, PyTorch's own SDPA included
+        lambda m, tier: (
+            "cause: no attention implementation gave correct results on this GPU with this PyTorch build, PyTorch's "
+            "own SDPA included (the ERROR line lists each and why), so training would learn from wrong gradients, "
+            "with flux-train's kernels or without. `flux-train doctor` checks the PyTorch build against the card; "
+            "install one built for it."
+        ),
+    ),
+    (
         r"ERROR\s+kernels: (?:kernel '(\w+)')?",  # the runner's KernelError line (no traceback)
         lambda m, tier: (
             f"cause: a kernel named in kernels= cannot run here{f' ({m.group(1)})' if m.group(1) else ''}; the "

@@ -155,6 +155,25 @@ def test_the_verdict_line_says_how_long_the_probe_took(tmp_path, caplog):
                                    for x in lines), lines  # fmt: skip
 
 
+def test_where_nothing_passes_and_pytorchs_own_sdpa_failed_too_it_is_an_error(tmp_path):
+    """No backend correct, the SDPA that sd-scripts itself calls among the rejected: nothing is left to fall back
+    on, and a rejected backend is never used (the failure mode of a torch build that computes wrong attention on a
+    new card)."""
+    from flux_kernels.patch import KernelError
+
+    backends = {"sdpa": AttentionBackend("sdpa", _wrong, cuda_only=False), "no_backward": FAKES["no_backward"]}
+    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
+    want = r"attention: no backend is correct at \(1, 2, 33, 16\) float32 mask=False on cpu \(rejected: sdpa: wrong: "
+    with pytest.raises(KernelError, match=want + r".*no_backward: RuntimeError"):
+        dispatch.prepare(SHAPE, torch.float32, "cpu", False)
+    assert dispatch.choice == {}
+
+
+def test_where_nothing_passes_but_pytorchs_own_sdpa_was_not_probed_it_falls_back_to_it(tmp_path):
+    dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends={"wrong": FAKES["wrong"]})
+    assert dispatch.prepare(SHAPE, torch.float32, "cpu", False) == "sdpa"
+
+
 def test_a_cached_choice_that_is_wrong_here_is_probed_again(tmp_path, caplog):
     """The verdict on disk chose a backend that now gives wrong results under the same name and versions (a kernel
     loaded from a stale disk cache, say): the check rejects it, every backend is probed again, and the cache is

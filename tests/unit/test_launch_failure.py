@@ -22,6 +22,18 @@ def test_a_named_kernel_that_cannot_run_is_explained():
     )
 
 
+def test_attention_wrong_everywhere_is_explained_as_the_builds_not_a_kernels():
+    from flux_trainer.launch.failure import explain_failure
+
+    tail = [
+        "ERROR    kernels: attention: no backend is    runner.py:201",
+        "         correct at (1, 24, 4608, 128) bfloat16 mask=False on NVIDIA GeForce RTX 5090 (rejected: sdpa: wrong",
+    ]
+    text = explain_failure(tail, "vram24")
+    assert text.startswith("cause: no attention implementation gave correct results") and "flux-train doctor" in text
+    assert "kernels=auto" not in text  # auto would meet the same error
+
+
 # the ends of two real logs (H100, 2026-11-25), shortened: a compile error inside single_qkv's backward, and CUDA
 # graph replay failing with a stack sampler in the process
 _COMPILE_FAILED = """\
