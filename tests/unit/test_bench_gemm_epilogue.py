@@ -1,0 +1,48 @@
+"""scripts/bench_gemm_epilogue.py: what it says where it cannot run (the timing itself needs quack-kernels on an sm90
+GPU), and that its variants compare each quack result with the matching cuBLAS product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import load_script
+
+
+@pytest.fixture(scope="module")
+def epilogue():
+    return load_script("bench_gemm_epilogue")
+
+
+def test_without_a_gpu_it_says_what_is_missing_and_exits_2(epilogue, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the benchmark would run for real")
+    assert epilogue.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+class FakeQuack:
+    """quack.gemm_interface's three calls computed with torch, off by `factor` (1.0: right)."""
+
+    def __init__(self, factor=1.0):
+        self.factor = factor
+
+    def gemm(self, a, b, bias=None, tuned=True):
+        return (a @ b + (0 if bias is None else bias)) * self.factor
+
+    def gemm_act(self, a, b, bias=None, activation=None, tuned=True):
+        pre = self.gemm(a, b, bias)
+        return pre, torch.nn.functional.gelu(pre, approximate="tanh")
+
+    def gemm_dact(self, a, b, pre, activation=None, tuned=True):
+        return torch.ops.aten.gelu_backward(self.gemm(a, b), pre, approximate="tanh"), None
+
+
+@pytest.mark.parametrize("factor, right", [(1.0, True), (1.05, False)])
+def test_each_quack_variant_is_checked_against_the_matching_cublas_product(epilogue, factor, right):
+    rows = epilogue.variants(24, 32, 80, FakeQuack(factor), False, torch.Generator().manual_seed(0), dev="cpu")
+    assert [label for label, _, _ in rows][:2] == ["fwd cuBLAS addmm", "fwd cuBLAS addmm, GELU"]
+    checked = [(label, epilogue.rel_err(fn(), want)) for label, fn, want in rows if want is not None]
+    assert [label for label, _ in checked] == ["fwd quack gemm", "fwd quack gemm_act", "bwd quack gemm",
+                                               "bwd quack gemm_dact"]  # fmt: skip
+    assert all((err < 1e-2) == right for _, err in checked), checked
