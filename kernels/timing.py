@@ -1,6 +1,7 @@
-"""Two ways to time an op: the median of CUDA-event timings of single calls on a GPU (`median_ms`: the GPU's own
-clock; scripts/bench_kernels.py and the doctor), and calls queued back to back (`queued_ms`: the attention probe),
-perf_counter elsewhere."""
+"""Three ways to time an op: the median of CUDA-event timings of single calls on a GPU (`median_ms`: the GPU's own
+clock; scripts/bench_kernels.py and the doctor), the same with the L2 cache overwritten before each call
+(`cold_l2_ms`: memory-bound ops whose operands a step reads from memory; the GEMM scripts), and calls queued back to
+back (`queued_ms`: the attention probe); perf_counter elsewhere."""
 
 from __future__ import annotations
 
@@ -40,4 +41,31 @@ def queued_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps:
             for _ in range(reps):
                 fn()
             times.append((time.perf_counter() - t0) * 1e3 / reps)
+    return statistics.median(times)
+
+
+FLUSH_BYTES = 256 * 2**20  # more than any L2 cache so far (H100 / H200: 50 MB, B200: 126 MB)
+
+
+def cold_l2_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
+    """Median milliseconds of fn() over `reps` calls timed one at a time, each after a buffer of FLUSH_BYTES was
+    overwritten (outside the timed span), so that fn reads its operands from memory rather than from the L2 cache,
+    as in a step where other work ran in between. `warmup` untimed calls first. perf_counter off the GPU."""
+    for _ in range(warmup):
+        fn()
+    flush = torch.empty(FLUSH_BYTES if device.type == "cuda" else 1, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)

@@ -22,28 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from flux_kernels.timing import cold_l2_ms
+
 SHAPES = {"img_mlp.0": (4096, 3072, 12288), "single linear1, MLP part": (4608, 3072, 12288)}  # tokens, in, out
-
-
-def gpu_ms(fn, reps: int, flush: torch.Tensor) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -99,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import quack.gemm_interface as quack
 
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, (m, k, n) in SHAPES.items():
@@ -109,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if want is not None:
                     row["rel_err"] = rel_err(fn(), want)
-                row["ms"] = gpu_ms(fn, ns.reps, flush)
+                row["ms"] = cold_l2_ms(fn, torch.device("cuda"), 3, ns.reps)
                 row["tflops"] = flops / row["ms"] / 1e9
             except Exception as e:  # noqa: BLE001 - a variant that fails is listed with its error
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

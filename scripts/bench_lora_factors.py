@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from flux_kernels.timing import cold_l2_ms
 
 RANK = 16
 # (name, kind, tokens, wide): "tokens": [wide, r] = yᵀ h, y [tokens, wide]; "features": [tokens, r] = y w, w [wide, r]
@@ -138,22 +139,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-def gpu_ms(fn, reps: int, flush: torch.Tensor) -> float:
-    """Median CUDA-event time of fn, the L2 flushed before each call (the operands are read from memory, as in a
-    step where other work ran in between)."""
-    for _ in range(3):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def bench_case(name: str, kind: str, tokens: int, wide: int, device, dtype, reps: int, timed: bool, flush) -> dict:
+def bench_case(name: str, kind: str, tokens: int, wide: int, device, dtype, reps: int, timed: bool) -> dict:
     y, other = operands(kind, tokens, wide, device, dtype)
     ref, fast, truth = functions(kind, y, other)
     row = {"case": name, "kind": kind, "tokens": tokens, "wide": wide, "mb": y.numel() * y.element_size() / 1e6,
@@ -168,12 +154,13 @@ def bench_case(name: str, kind: str, tokens: int, wide: int, device, dtype, reps
             continue
         if not err <= tolerance:
             raise AssertionError(f"{name} {config}: relative error {err:.2e} > {tolerance:.2e}")
-        t = gpu_ms(lambda c=config: fast(c), max(reps // 2, 5), flush) if timed else 0.0
+        t = cold_l2_ms(lambda c=config: fast(c), device, 3, max(reps // 2, 5)) if timed else 0.0
         if best is None or t < best[0]:
             best = (t, config, err)
     row.update(triton_config=list(best[1]), triton_err=best[2])
     if timed:
-        row["torch_ms"], row["triton_ms"] = gpu_ms(ref, reps, flush), gpu_ms(lambda: fast(best[1]), reps, flush)
+        row["torch_ms"] = cold_l2_ms(ref, device, 3, reps)
+        row["triton_ms"] = cold_l2_ms(lambda: fast(best[1]), device, 3, reps)
         row["torch_gbs"], row["triton_gbs"] = row["mb"] / row["torch_ms"], row["mb"] / row["triton_ms"]
         row["speedup"] = row["torch_ms"] / row["triton_ms"]
     return row
@@ -192,16 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if timed else torch.float32
-    flush = torch.empty(256 * 2**20 if timed else 1, dtype=torch.uint8, device=device)
     result: dict = {"device": torch.cuda.get_device_name() if timed else "cpu", "dtype": str(dtype), "rank": RANK}
     if timed:
         big = torch.randn(4608, 21504, device=device, dtype=dtype)
-        copy_ms = gpu_ms(big.clone, ns.reps, flush)
+        copy_ms = cold_l2_ms(big.clone, device, 3, ns.reps)
         result["copy_gbs"] = 2 * big.numel() * big.element_size() / 1e6 / copy_ms
         print(f"copy of a 4608 x 21504 tensor: {copy_ms:.4f} ms, {result['copy_gbs']:.0f} GB/s read + write")
         del big
     cases = CASES if timed else TINY_CASES
-    result["rows"] = [bench_case(*case, device, dtype, ns.reps, timed, flush) for case in cases]
+    result["rows"] = [bench_case(*case, device, dtype, ns.reps, timed) for case in cases]
     print(f"{'case':24} {'MB':>6} {'torch ms':>9} {'GB/s':>6} {'triton ms':>9} {'GB/s':>6} {'x':>5}  best config")
     for r in result["rows"]:
         if timed:

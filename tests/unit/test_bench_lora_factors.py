@@ -58,4 +58,4 @@ def test_a_wrong_kernel_stops_the_bench(factors, monkeypatch):
     right = factors.yt_h
     monkeypatch.setattr(factors, "yt_h", lambda y, h, c: right(y, h, c) * 1.01)
     with pytest.raises(AssertionError, match="relative error"):
-        factors.bench_case("odd", "tokens", 50, 40, torch.device("cpu"), torch.float32, 5, False, None)
+        factors.bench_case("odd", "tokens", 50, 40, torch.device("cpu"), torch.float32, 5, False)

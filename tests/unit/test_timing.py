@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from flux_kernels.timing import median_ms, queued_ms
+from flux_kernels.timing import cold_l2_ms, median_ms, queued_ms
 
 
 def test_queued_ms_times_reps_calls_per_round_after_the_warmup():
@@ -25,3 +25,14 @@ def test_median_ms_still_times_single_calls():
     calls = []
     ms = median_ms(lambda: (calls.append(1), time.sleep(0.002)), torch.device("cpu"), warmup=1, reps=3)
     assert len(calls) == 4 and 1.9 <= ms < 10
+
+
+def test_cold_l2_ms_times_single_calls_after_the_warmup_and_takes_the_median():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.05 if len(calls) in (1, 5) else 0.002)  # the warm-up call, and one slow timed call
+
+    ms = cold_l2_ms(fn, torch.device("cpu"), warmup=1, reps=5)
+    assert len(calls) == 6 and 1.9 <= ms < 10  # the median, not the mean the slow call would pull up
