@@ -50,22 +50,25 @@ FLUSH_BYTES = 256 * 2**20  # more than any L2 cache so far (H100 / H200: 50 MB, 
 def cold_l2_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
     """Median milliseconds of fn() over `reps` calls timed one at a time, each after a buffer of FLUSH_BYTES was
     overwritten (outside the timed span), so that fn reads its operands from memory rather than from the L2 cache,
-    as in a step where other work ran in between. `warmup` untimed calls first. perf_counter off the GPU."""
+    as in a step where other work ran in between. `warmup` untimed calls first. On a GPU every call and its events
+    are queued before one sync at the end: the host launches the next call while the device overwrites the buffer,
+    so a call's launch time (a Triton kernel's Python launcher: ~0.05-0.08 ms) is not counted as device time.
+    perf_counter off the GPU."""
     for _ in range(warmup):
         fn()
-    flush = torch.empty(FLUSH_BYTES if device.type == "cuda" else 1, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return statistics.median(times)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) for start, end in events)
