@@ -51,9 +51,9 @@ def cold_l2_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps
     """Median milliseconds of fn() over `reps` calls timed one at a time, each after a buffer of FLUSH_BYTES was
     overwritten (outside the timed span), so that fn reads its operands from memory rather than from the L2 cache,
     as in a step where other work ran in between. `warmup` untimed calls first. On a GPU every call and its events
-    are queued before one sync at the end: the host launches the next call while the device overwrites the buffer,
-    so a call's launch time (a Triton kernel's Python launcher: ~0.05-0.08 ms) is not counted as device time.
-    perf_counter off the GPU."""
+    are queued before one sync at the end: the host launches the next call while the device overwrites the buffer
+    (~0.07 ms on an H200), so a call's launch time (a Triton kernel's Python launcher: ~0.05-0.08 ms) counts only
+    where it outlasts that. perf_counter off the GPU."""
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
