@@ -59,7 +59,7 @@ def _sum_over_tokens(y_ptr, h_ptr, out_ptr, M, N, sy_m, sh_m, so_s, rows_per_spl
     offs_r = tl.arange(0, R)
     m0 = tl.program_id(1) * rows_per_split
     m_end = tl.minimum(m0 + rows_per_split, M)
-    acc = tl.zeros([BN, R], dtype=tl.float32)
+    acc = tl.full([BN, R], 0.0, tl.float32)  # not tl.zeros: a @jit helper (tl_common says why)
     for m in range(m0, m_end, BM):
         offs_m = m + tl.arange(0, BM)
         rows = (offs_m < m_end)[:, None]
@@ -78,7 +78,7 @@ def _sum_over_features(x_ptr, w_ptr, out_ptr, M, K, sx_m, sw_k, sw_r, so_s, cols
     offs_r = tl.arange(0, R)
     k0 = tl.program_id(1) * cols_per_split
     k_end = tl.minimum(k0 + cols_per_split, K)
-    acc = tl.zeros([BM, R], dtype=tl.float32)
+    acc = tl.full([BM, R], 0.0, tl.float32)
     for k in range(k0, k_end, BK):
         offs_k = k + tl.arange(0, BK)
         cols = offs_k < k_end
