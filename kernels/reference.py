@@ -108,6 +108,12 @@ def max_rel_err(got: Tensor, want: Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
 
 
+def rel_l2_err(got: Tensor, want: Tensor) -> float:
+    """|got - want| / |want| over the whole tensor, in float64: a GEMM's error, where `max_rel_err` would be
+    decided by one element."""
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
 def saved_tensors(fn, args, also_skip=()) -> list[torch.Tensor]:
     """The tensors one forward of `fn(*args)` keeps for backward, as saved_tensors_hooks see them (compiled code saves
     through them too); the inputs (nested ones included), `fn`'s parameters (a module's) and `also_skip` (e.g. a

@@ -28,13 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flux_kernels.reference import rel_l2_err
 from flux_kernels.timing import cold_l2_ms
 
 SHAPES = {"img_mlp.0": (4096, 3072, 12288), "single linear1, MLP part": (4608, 3072, 12288)}  # tokens, in, out
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def variants(m: int, k: int, n: int, quack, tuned: bool, gen: torch.Generator, dev="cuda") -> list[tuple]:
@@ -94,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"shape": name, "m": m, "k": k, "n": n, "variant": label}
             try:
                 if want is not None:
-                    row["rel_err"] = rel_err(fn(), want)
+                    row["rel_err"] = rel_l2_err(fn(), want)
                 row["ms"] = cold_l2_ms(fn, torch.device("cuda"), 3, ns.reps)
                 row["tflops"] = flops / row["ms"] / 1e9
             except Exception as e:  # noqa: BLE001 - a variant that fails is listed with its error

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flux_kernels.reference import rel_l2_err
 from flux_kernels.timing import cold_l2_ms
 
 RANK = 16
@@ -135,20 +136,16 @@ def functions(kind: str, y: torch.Tensor, other: torch.Tensor):
     return (lambda: y @ other), (lambda c: y_w(y, other, c)), y.double() @ other.double()
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
-
-
 def bench_case(name: str, kind: str, tokens: int, wide: int, device, dtype, reps: int, timed: bool) -> dict:
     y, other = operands(kind, tokens, wide, device, dtype)
     ref, fast, truth = functions(kind, y, other)
     row = {"case": name, "kind": kind, "tokens": tokens, "wide": wide, "mb": y.numel() * y.element_size() / 1e6,
-           "torch_err": rel_err(ref(), truth)}  # fmt: skip
+           "torch_err": rel_l2_err(ref(), truth)}  # fmt: skip
     configs = (TOKEN_CONFIGS if kind == "tokens" else FEATURE_CONFIGS) if timed else [TINY_CONFIG]
     best, tolerance = None, 2 * row["torch_err"] + 1e-3
     for config in configs:
         try:
-            err = rel_err(fast(config), truth)
+            err = rel_l2_err(fast(config), truth)
         except Exception as e:  # noqa: BLE001 - a configuration that does not build is skipped, and said
             print(f"  {name} {config}: {type(e).__name__}", file=sys.stderr)
             continue

@@ -42,7 +42,7 @@ class FakeQuack:
 def test_each_quack_variant_is_checked_against_the_matching_cublas_product(epilogue, factor, right):
     rows = epilogue.variants(24, 32, 80, FakeQuack(factor), False, torch.Generator().manual_seed(0), dev="cpu")
     assert [label for label, _, _ in rows][:2] == ["fwd cuBLAS addmm", "fwd cuBLAS addmm, GELU"]
-    checked = [(label, epilogue.rel_err(fn(), want)) for label, fn, want in rows if want is not None]
+    checked = [(label, epilogue.rel_l2_err(fn(), want)) for label, fn, want in rows if want is not None]
     assert [label for label, _ in checked] == ["fwd quack gemm", "fwd quack gemm_act", "bwd quack gemm",
                                                "bwd quack gemm_dact"]  # fmt: skip
     assert all((err < 1e-2) == right for _, err in checked), checked

@@ -182,3 +182,13 @@ def test_verify_runs_bf16_blocks_with_fp32_lora_under_autocast(fm):
     model.single_blocks[0]._flux_kernels.gated = lambda x, gate, y: x + gate * y * 1.1  # shared by all blocks
     with pytest.raises(ValueError, match="double-stream block differs from sd-scripts'"):
         patch.verify_blocks(model)
+
+
+def test_rel_l2_err_is_over_the_whole_tensor_where_max_rel_err_is_one_element():
+    from flux_kernels.reference import max_rel_err, rel_l2_err
+
+    want = torch.ones(100, 100)
+    assert rel_l2_err(want * 1.01, want) == pytest.approx(0.01, rel=1e-5)  # 1.01 in float32
+    got = want.clone()
+    got[0, 0] = 2.0  # one element off by 100%
+    assert rel_l2_err(got, want) == pytest.approx(0.01, rel=1e-9) and max_rel_err(got, want) == pytest.approx(1.0)
