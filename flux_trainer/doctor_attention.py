@@ -40,8 +40,12 @@ def _fix_for(name: str) -> str:
 
 
 def _optional(why: str) -> str:
-    """flux_kernels' reason a backend cannot be tried here ('' if it can), a missing package marked optional."""
-    return f"{why} (optional)" if why.endswith("is not installed") else why
+    """flux_kernels' reason a backend cannot be tried here ('' if it can), a missing package marked optional (with
+    what to pip install, where flux_kernels names it)."""
+    missing, hint, install = why.partition(" (pip install ")
+    if not missing.endswith("is not installed"):
+        return why
+    return f"{missing} (optional; pip install {install}" if hint else f"{missing} (optional)"
 
 
 def attention_checks(

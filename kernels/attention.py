@@ -51,6 +51,7 @@ class AttentionBackend:
     name: str
     run: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
     requires: str = ""  # importable module it needs ("" = torch only)
+    install: str = ""  # what to pip install for it, named where it is missing on a card it would run on
     cuda_only: bool = True
     trainable: bool = True
     note: str = ""
@@ -182,6 +183,7 @@ BACKENDS: dict[str, AttentionBackend] = {
             "cudnn_fa4",
             attention_fa4.cudnn_fa4,
             requires=attention_fa4.MODULE,
+            install=attention_fa4.DISTRIBUTION,
             op=attention_fa4.cudnn_fa4,
             min_capability=attention_fa4.MIN_CAPABILITY,
             tokens=attention_fa4.cudnn_fa4_tokens,
@@ -258,11 +260,20 @@ def _write_cache(path: Path, key: str, results: Sequence[BackendResult]) -> None
 
 def unavailable(backend: AttentionBackend, dev: torch.device) -> str:
     """Why `backend` cannot be tried on `dev` at all (no backward, not installed, CUDA only, too old a GPU); '' if it
-    can. The probe skips such backends with this reason; flux-train's doctor shows it."""
+    can. The probe skips such backends with this reason (the run's log has it); flux-train's doctor shows it. The
+    device comes first (no package would help there), then a missing package, with what to pip install for it."""
     if not backend.trainable:
         return backend.note
+    if why := _hardware(backend, dev):
+        return why
     if backend.requires and not importable(backend.requires):
-        return f"{backend.requires} is not installed"
+        hint = f" (pip install {backend.install})" if backend.install else ""
+        return f"{backend.requires} is not installed{hint}"
+    return ""
+
+
+def _hardware(backend: AttentionBackend, dev: torch.device) -> str:
+    """Why the device cannot run `backend` whatever is installed ('' if it can)."""
     if backend.cuda_only and dev.type != "cuda":
         return f"needs CUDA (device is {dev.type})"
     if backend.min_capability and dev.type == "cuda":

@@ -29,6 +29,7 @@ from torch import Tensor
 
 MODULE = "flash_attn.cute"  # what flash-attn-4 installs (the distribution is flash-attn-4)
 MIN_CAPABILITY = (9, 0)  # its backward kernels: sm90 (Hopper), sm100/sm110 (Blackwell), sm120 (RTX 50)
+DISTRIBUTION = "flash-attn-4==4.0.0b36"  # the version measured (flux-train's `fa4` extra pins the same)
 NO_MASK = "cudnn_fa4 takes no attention mask (FlashAttention-4's dense backward has none)"
 
 

@@ -70,7 +70,7 @@ def test_but_the_default_sdpa_failing_is_a_fail():
 def test_missing_and_cuda_only_backends_are_skipped_with_the_reason():
     candidates = {
         "sdpa": AttentionBackend("sdpa", sdpa, cuda_only=False),
-        "xformers": AttentionBackend("xformers", sdpa, requires="no_such_module_for_the_doctor_test"),
+        "xformers": AttentionBackend("xformers", sdpa, requires="no_such_module_for_the_doctor_test", cuda_only=False),
         "sdpa_cudnn": AttentionBackend("sdpa_cudnn", sdpa, cuda_only=True),
         "sage": AttentionBackend("sage", sdpa, trainable=False, note="no backward pass"),
     }
@@ -168,9 +168,16 @@ def test_the_doctor_gives_flux_kernels_reasons_a_missing_package_marked_optional
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(attention, "importable", lambda module: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
     assert doctor_attention._optional(attention.unavailable(BACKENDS["cudnn_fa4"], cuda)) == (
-        "flash_attn.cute is not installed (optional)"
+        "flash_attn.cute is not installed (optional; pip install flash-attn-4==4.0.0b36)"
     )
+    assert doctor_attention._optional(attention.unavailable(BACKENDS["xformers"], cuda)) == (
+        "xformers is not installed (optional)"
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))  # the card cannot run it
+    why = doctor_attention._optional(attention.unavailable(BACKENDS["cudnn_fa4"], cuda))
+    assert why == "needs sm90 or newer (the GPU is sm86)"
     monkeypatch.setattr(attention, "importable", lambda module: True)  # as if flash-attn-4 were installed
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
     why = doctor_attention._optional(attention.unavailable(BACKENDS["cudnn_fa4"], cuda))

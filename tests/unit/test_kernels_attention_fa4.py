@@ -5,7 +5,10 @@ older GPU, a mask); selective checkpointing keeping its output. The CUDA path is
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import tomli
 import torch
 import torch.nn.functional as F
 
@@ -170,7 +173,13 @@ def test_why_the_probe_leaves_it_out(monkeypatch):
     backend = BACKENDS["cudnn_fa4"]
     assert backend.requires == "flash_attn.cute" and backend.min_capability == (9, 0)
     monkeypatch.setattr(attention, "importable", lambda module: False)
-    assert attention.unavailable(backend, torch.device("cpu")) == "flash_attn.cute is not installed"
+    assert attention.unavailable(backend, torch.device("cpu")) == "needs CUDA (device is cpu)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
+    assert attention.unavailable(backend, torch.device("cuda")) == "needs sm90 or newer (the GPU is sm86)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    assert attention.unavailable(backend, torch.device("cuda")) == (
+        f"flash_attn.cute is not installed (pip install {attention_fa4.DISTRIBUTION})"
+    )
     monkeypatch.setattr(attention, "importable", lambda module: True)
     assert attention.unavailable(backend, torch.device("cpu")) == "needs CUDA (device is cpu)"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 9))
@@ -236,3 +245,9 @@ def test_under_autocast_it_takes_the_dtype_sdpa_would():
         out = attention_fa4.cudnn_fa4(*leaves)
     out.backward(go.to(out.dtype))
     assert all(t.grad.dtype == torch.float32 for t in leaves)  # gradients back in the inputs' dtype
+
+
+def test_the_version_it_names_is_the_one_flux_trains_fa4_extra_pins():
+    """What the probe and the doctor tell a user to install is what `pip install ".[fa4]"` installs."""
+    pyproject = tomli.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["fa4"] == [attention_fa4.DISTRIBUTION]
