@@ -1,7 +1,8 @@
-"""Three ways to time an op: the median of CUDA-event timings of single calls on a GPU (`median_ms`: the GPU's own
+"""Four ways to time an op: the median of CUDA-event timings of single calls on a GPU (`median_ms`: the GPU's own
 clock; scripts/bench_kernels.py and the doctor), the same with the L2 cache overwritten before each call
-(`cold_l2_ms`: memory-bound ops whose operands a step reads from memory; the GEMM scripts), and calls queued back to
-back (`queued_ms`: the attention probe); perf_counter elsewhere."""
+(`cold_l2_ms`: memory-bound ops whose operands a step reads from memory; the GEMM scripts), calls queued back to
+back (`queued_ms`: the attention probe), and calls kept running for seconds with the energy they take
+(`sustained`: a card at its power limit, as in training steps); perf_counter elsewhere."""
 
 from __future__ import annotations
 
@@ -72,3 +73,31 @@ def cold_l2_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps
         end.record()
     torch.cuda.synchronize(device)
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def sustained(
+    fn: Callable[[], object], secs: float, energy_j: Callable[[], float] | None = None, settle_s: float = 1.0
+) -> dict[str, float | None]:
+    """fn() queued back to back for `settle_s` (a card reaches its power limit within that), then for `secs` more,
+    measured: milliseconds a call, and with `energy_j` (a reader of a counter in joules, such as NVML's) joules a call
+    and the mean watts. A sync every 20 calls keeps the queue short. Single calls on a cool card (the others here) run
+    faster than the same calls in a training step where the card sits at its limit; this is the step's condition."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < settle_s:
+        fn()
+    sync()
+    e0, t0, n = energy_j() if energy_j else None, time.perf_counter(), 0
+    while time.perf_counter() - t0 < secs or n == 0:
+        fn()
+        n += 1
+        if n % 20 == 0:
+            sync()
+    sync()
+    t1 = time.perf_counter()
+    if energy_j is None or e0 is None:
+        return {"ms": (t1 - t0) / n * 1e3, "j": None, "w": None}
+    e1 = energy_j()
+    return {"ms": (t1 - t0) / n * 1e3, "j": (e1 - e0) / n, "w": (e1 - e0) / (t1 - t0)}

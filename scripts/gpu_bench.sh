@@ -3,7 +3,8 @@
 # the random full-size model, run the bench with the given arguments, dump every TensorBoard tag of the runs.
 # carry: .whl (../shared/gpu/wheels.sh) and .gpu/sd-scripts.   Usage: [TAG=name] bash scripts/gpu_bench.sh BENCH_ARGS...
 # (TAG names the run root /tmp/TAG and the files $OUT/TAG.json, .log, -tags.txt: several benches in one call;
-#  KERNELS=dir runs another copy of kernels/ as flux_kernels, to compare two versions of a kernel in one call)
+#  KERNELS=dir runs another copy of kernels/ as flux_kernels, to compare two versions of a kernel in one call;
+#  EXTRA_PYTHONPATH=dirs goes first on the path: packages installed apart, such as flash-attn-4)
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; TAG=${TAG:-bench}
 REPO=$PWD
@@ -15,7 +16,7 @@ REPO=$PWD
   python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || true; touch /tmp/site/.installed; }
 python3 -m compileall -q -j 0 "$REPO/flux_trainer" "$REPO/kernels" "$REPO/.gpu/sd-scripts" > /dev/null 2>&1 || true
 mkdir -p /tmp/pkgs && ln -sfn "${KERNELS:-$REPO/kernels}" /tmp/pkgs/flux_kernels   # the wheel maps kernels/ -> flux_kernels
-export PYTHONPATH=/tmp/site:/tmp/pkgs:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=/tmp/ftcache
+export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}/tmp/site:/tmp/pkgs:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=/tmp/ftcache
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
 cd /tmp
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

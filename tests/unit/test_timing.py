@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from flux_kernels.timing import cold_l2_ms, median_ms, queued_ms
@@ -36,3 +37,23 @@ def test_cold_l2_ms_times_single_calls_after_the_warmup_and_takes_the_median():
 
     ms = cold_l2_ms(fn, torch.device("cpu"), warmup=1, reps=5)
     assert len(calls) == 6 and 1.9 <= ms < 10  # the median, not the mean the slow call would pull up
+
+
+def test_sustained_counts_calls_over_the_measured_seconds_and_charges_them_the_counters_joules():
+    """Calls kept running for a while: the energy a call is the counter's rise over the measured calls only (not the
+    settling ones), the watts that rise over the measured seconds; without a counter, time only."""
+    from flux_kernels.timing import sustained
+
+    counter = {"j": 100.0, "calls": 0}
+
+    def fn():  # each call burns 0.5 J on the stand-in counter and takes ~2 ms
+        counter["calls"] += 1
+        counter["j"] += 0.5
+        time.sleep(0.002)
+
+    r = sustained(fn, secs=0.05, energy_j=lambda: counter["j"], settle_s=0.02)
+    assert r["j"] == pytest.approx(0.5)  # the settling calls' joules are left out
+    assert 2.0 <= r["ms"] < 20.0 and r["w"] == pytest.approx(0.5 / (r["ms"] / 1e3), rel=0.05)
+    assert counter["calls"] >= 1 + 0.05 / 0.02  # the first call, the settling ones, at least the measured seconds'
+    bare = sustained(fn, secs=0.0, settle_s=0.0)
+    assert bare["j"] is None and bare["w"] is None and bare["ms"] >= 2.0  # one call at least, timed
