@@ -55,6 +55,9 @@ class BenchResult:
     # runs below its boost clock, and two cards of one kind can differ there (compare s/step within one command)
     power_w: float | None = None
     sm_clock_mhz: float | None = None
+    # the card's energy a step (NVML's energy counter over the measured steps, times their mean wall time): where the
+    # card sits at its power limit, a step gets faster only by taking fewer joules, not only fewer seconds
+    energy_j: float | None = None
     tflops: float | None = None
     mfu: float | None = None
     # images a second over every process (throughput/images_per_s_all_ranks; one process: throughput/images_per_s)
@@ -107,6 +110,7 @@ class CardPoller:
     def __init__(self, indices: Sequence[int] | None = (0,), period_s: float = 0.25, nvml: Any = None) -> None:
         self.peak_bytes: int | None = None
         self.samples: list[tuple[float, float | None, float | None]] = []  # (time.time(), watts, MHz)
+        self.energy: list[tuple[float, float]] = []  # (time.time(), joules on the first card's counter)
         self._stop = threading.Event()
         self._period = period_s
         try:
@@ -128,6 +132,8 @@ class CardPoller:
             watts = _reading(lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0)
             mhz = _reading(lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM))
             self.samples.append((time.time(), watts, mhz))
+            if (mj := _reading(lambda: n.nvmlDeviceGetTotalEnergyConsumption(h))) is not None:
+                self.energy.append((time.time(), mj / 1e3))
             self._stop.wait(self._period)
 
     def __enter__(self) -> CardPoller:
@@ -146,7 +152,8 @@ class CardPoller:
 
     def during(self, window: tuple[float, float] | None) -> dict:
         """`power_w` and `sm_clock_mhz`: the medians of the samples taken within `window` (wall times), each left
-        out where there is none."""
+        out where there is none; `mean_power_w`: the energy counter's joules between its first and last reading in
+        the window over the seconds between them (every watt counted, where a sample reads one instant)."""
         if window is None:
             return {}
         inside = [(w, c) for t, w, c in self.samples if window[0] <= t <= window[1]]
@@ -155,6 +162,9 @@ class CardPoller:
             values = [v for v in values if v is not None]
             if values:
                 out[key] = statistics.median(values)
+        energy = [(t, j) for t, j in self.energy if window[0] <= t <= window[1]]
+        if len(energy) >= 2 and energy[-1][0] > energy[0][0]:
+            out["mean_power_w"] = (energy[-1][1] - energy[0][1]) / (energy[-1][0] - energy[0][0])
         return out
 
 
@@ -368,6 +378,9 @@ def _measured(result: BenchResult, tb_dir: Path, warmup: int, t0: float, poller:
     first = stats.pop("first_wall", None)
     result.first_step_s = None if first is None else first - t0
     stats.update(poller.during(stats.pop("window", None)))
+    mean_power = stats.pop("mean_power_w", None)
+    if mean_power is not None and stats.get("s_mean") is not None:
+        stats["energy_j"] = mean_power * stats["s_mean"]
     for key, value in stats.items():
         setattr(result, key, value)
 
@@ -430,7 +443,7 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
 def table(results: list[BenchResult]) -> str:
     head = (
         f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'rsv pk':>6} "
-        f"{'card pk':>8} {'img/s':>5} {'TFLOP/s':>7} {'MFU':>5} {'W':>4} {'SM MHz':>6} "
+        f"{'card pk':>8} {'img/s':>5} {'TFLOP/s':>7} {'MFU':>5} {'W':>4} {'SM MHz':>6} {'J/step':>6} "
         f"{'1st step':>8} {'+s 1st/2nd':>11}"
     )
     lines = [head, "-" * len(head)]
@@ -442,7 +455,8 @@ def table(results: list[BenchResult]) -> str:
             f"{_num(r.torch_peak_gib, '.1f'):>8} {_num(r.reserved_peak_gib, '.1f'):>6} "
             f"{_num(r.card_peak_gib, '.1f'):>8} {_num(r.images_per_s, '.2f'):>5} {_num(r.tflops, '.0f'):>7} "
             f"{_num(r.mfu, '.2f'):>5} "
-            f"{_num(r.power_w, '.0f'):>4} {_num(r.sm_clock_mhz, '.0f'):>6} {_num(r.first_step_s, '.0f'):>8} {extra:>11}"
+            f"{_num(r.power_w, '.0f'):>4} {_num(r.sm_clock_mhz, '.0f'):>6} {_num(r.energy_j, '.0f'):>6} "
+            f"{_num(r.first_step_s, '.0f'):>8} {extra:>11}"
         )
     return "\n".join(lines)
 

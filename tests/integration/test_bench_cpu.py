@@ -274,6 +274,72 @@ def test_card_poller_samples_memory_power_and_clock_and_takes_medians_over_the_m
     assert " 695   1728 " in table([row])
 
 
+def test_energy_a_step_is_the_counters_joules_over_the_window_times_the_mean_step(tmp_path):
+    """NVML's energy counter (millijoules since the driver loaded), read on the poller's thread: the mean power is
+    the counter's rise between its first and last reading inside the measured window over the seconds between them
+    (readings outside the window left out), and a step's energy that times the window's mean step; a board without
+    the counter gives no figure, not a zero."""
+    from types import SimpleNamespace
+
+    from flux_trainer.bench import BenchResult, CardPoller, _measured, table
+
+    class Nvml:
+        NVML_CLOCK_SM = 1
+
+        def __init__(self):
+            self.mj = iter(range(0, 10**9, 7_000))
+
+        def nvmlInit(self):
+            pass
+
+        def nvmlDeviceGetHandleByIndex(self, index):
+            return index
+
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            return SimpleNamespace(used=2**30)
+
+        def nvmlDeviceGetPowerUsage(self, handle):
+            return 690_000
+
+        def nvmlDeviceGetClockInfo(self, handle, clock):
+            return 1700
+
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+            return next(self.mj)
+
+    import time
+
+    with CardPoller(period_s=0.005, nvml=Nvml()) as poller:
+        time.sleep(0.05)
+    joules = [j for _, j in poller.energy]
+    assert len(joules) >= 2 and joules[:2] == [0.0, 7.0]  # one counter reading per sample, in joules
+    poller.energy = [(1.0, 100.0), (2.0, 790.0), (3.0, 1480.0), (4.0, 2180.0), (5.0, 9999.0)]
+    assert poller.during((1.5, 4.0))["mean_power_w"] == pytest.approx((2180.0 - 790.0) / 2.0)
+    assert "mean_power_w" not in poller.during((1.5, 2.5))  # one reading: no interval to divide by
+
+    class NoCounter(Nvml):
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+            raise RuntimeError("NotSupported")
+
+    with CardPoller(period_s=0.005, nvml=NoCounter()) as bare:
+        time.sleep(0.03)
+    assert bare.energy == [] and "mean_power_w" not in bare.during((0.0, time.time()))
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb" / "network_train"))
+    for step, wall in {1: 0.0, 2: 1.0, 3: 1.5, 4: 2.0, 5: 2.5}.items():
+        writer.add_scalar("loss/current", 1.0, step, walltime=wall)
+    writer.close()
+    poller.energy = [(1.0, 0.0), (2.5, 1050.0)]  # 700 W over the measured steps (1.0 to 2.5 s, three of 0.5 s)
+    row = BenchResult(case="c", overrides=[], exit_code=0)
+    _measured(row, tmp_path / "tb", 2, 0.0, poller)
+    assert row.s_mean == pytest.approx(0.5) and row.energy_j == pytest.approx(350.0)
+    assert " 350 " in table([row])
+    _measured(no_energy := BenchResult(case="c", overrides=[], exit_code=0), tmp_path / "tb", 2, 0.0, bare)
+    assert no_energy.energy_j is None
+
+
 def test_step_stats_mean_is_the_windows_throughput_where_intervals_bunch(tmp_path):
     """Loss events logged late for one step and early for the next (sync-free steps) make the intervals uneven: the
     median and the range follow the bunching, the mean is the measured window's wall time over its steps."""
