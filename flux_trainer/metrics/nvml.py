@@ -94,6 +94,17 @@ class NvmlReader:
                 continue
         return out
 
+    def energy_j(self) -> float | None:
+        """The card's energy counter in joules (NVML counts millijoules since the driver loaded; Volta and newer),
+        or None where it cannot be read."""
+        self._init()
+        if self._state != "ready":
+            return None
+        try:
+            return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000.0
+        except Exception:
+            return None
+
     def max_sm_clock_mhz(self) -> float | None:
         """The board's maximum SM clock, to show how far a throttled clock has fallen."""
         if not self.available:

@@ -16,6 +16,7 @@ reading can move by how much of the step the host ran ahead). It includes whatev
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ from flux_trainer.metrics.flops import mfu
 from flux_trainer.metrics.nvml import NvmlReader
 
 GIB = float(1 << 30)
+ENERGY_WINDOW = 10  # logs that gpu/energy_j_per_step averages over
 VRAM_TAGS = (
     "vram/allocated_gib",
     "vram/reserved_gib",
@@ -95,12 +97,18 @@ class StepMetrics:
         self._data_s = 0.0
         self._waiting_for_data = False
         self._retries = 0  # the allocator's cumulative num_alloc_retries at the last log
+        # (steps counted so far, the card's energy counter) at start() and the last ENERGY_WINDOW logs
+        self._energy: collections.deque[tuple[int, float]] = collections.deque(maxlen=ENERGY_WINDOW + 1)
+        self._steps_total = 0
 
     def start(self) -> None:
         """Mark the start of the loop, so the first step gets a time too."""
         if self.enabled:
             self._t_ref = self._t_log = self._clock()
             self._waiting_for_data = True
+            self._energy.clear()
+            if self.nvml is not None and (energy := self.nvml.energy_j()) is not None:
+                self._energy.append((0, energy))
 
     def mark_data_ready(self) -> None:
         """Call when the batch is in hand: the time since the last step end counts as data wait."""
@@ -118,6 +126,7 @@ class StepMetrics:
             self._t_log = now
         else:
             self._steps += 1
+            self._steps_total += 1
         self._t_ref = now
         self._waiting_for_data = True
         if global_step % self.log_every:
@@ -137,9 +146,26 @@ class StepMetrics:
                 tags["throughput/mfu"] = mfu(tflops, self.peak_tflops)
         if self.nvml is not None:
             tags.update(self.nvml.read())
+            tags.update(self._energy_per_step())
         tags["host/ram_gib"] = self._rss_gib()
         self._t_log, self._steps, self._data_s = now, 0, 0.0
         return tags
+
+    def _energy_per_step(self) -> dict[str, float]:
+        """`gpu/energy_j_per_step`: the card's joules a step over the last ENERGY_WINDOW logs (its energy counter's
+        rise over the steps between). A card at its power limit is as fast as its steps are frugal, so this, beside
+        time/step_s, says whether a change made the step cheaper. Over a window, not one step: NVML's counter
+        advances in coarse increments (one step's reading was 14% off the run's mean on an H200), and the host's step
+        boundaries are not the device's."""
+        energy = self.nvml.energy_j() if self.nvml is not None else None
+        if energy is None:
+            self._energy.clear()
+            return {}
+        if self._energy and energy < self._energy[-1][1]:  # the counter went back (a driver reload): start again
+            self._energy.clear()
+        self._energy.append((self._steps_total, energy))
+        (steps0, energy0), (steps1, energy1) = self._energy[0], self._energy[-1]
+        return {"gpu/energy_j_per_step": (energy1 - energy0) / (steps1 - steps0)} if steps1 > steps0 else {}
 
     def _vram(self) -> dict[str, float]:
         if not self._is_cuda:

@@ -161,6 +161,7 @@ class FakeNvml:
     def __init__(self, power_supported: bool = True) -> None:
         self.power_supported = power_supported
         self.events: list[str] = []
+        self.energy_mj: int | None = None  # the card's energy counter; None: a board without one
 
     def nvmlInit(self):
         self.events.append("init")
@@ -189,6 +190,11 @@ class FakeNvml:
     def nvmlDeviceGetMaxClockInfo(self, h, clock):
         return 1980
 
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        if self.energy_mj is None:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return self.energy_mj
+
 
 def test_nvml_present_tags_and_unsupported_reading(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -206,6 +212,39 @@ def test_nvml_present_tags_and_unsupported_reading(monkeypatch):
     assert fake.events == ["init", "shutdown"]
     partial = NvmlReader(0, nvml=FakeNvml(power_supported=False)).read()
     assert "gpu/power_w" not in partial and partial["gpu/temp_c"] == 71.0
+
+
+def test_energy_a_step_is_the_counters_rise_over_the_last_logs_over_the_steps_between(monkeypatch):
+    """`gpu/energy_j_per_step`: the card's energy counter (millijoules) read at start() and at each log; its rise over
+    the steps of the last ENERGY_WINDOW logs (one step's reading is coarse); none before a step was counted, nor on
+    a board without the counter; a counter that goes back starts the window again."""
+    from flux_trainer.metrics import step as step_module
+
+    monkeypatch.setattr(step_module, "ENERGY_WINDOW", 2)
+    fake = FakeNvml()
+    fake.energy_mj = 1_000_000
+    m = StepMetrics("cpu", 1e12, 1, clock=lambda: 0.0, nvml=NvmlReader(0, nvml=fake), log_every=2)
+    m.start()
+    fake.energy_mj += 230_000
+    assert m.on_step_end(1) == {}  # not a logging step: nothing read
+    fake.energy_mj += 240_000
+    assert m.on_step_end(2)["gpu/energy_j_per_step"] == pytest.approx(235.0)  # 470 J over two steps
+    fake.energy_mj += 2 * 207_000
+    m.on_step_end(3)
+    assert m.on_step_end(4)["gpu/energy_j_per_step"] == pytest.approx((470 + 414) / 4)  # the window: both logs
+    fake.energy_mj += 2 * 300_000
+    m.on_step_end(5)
+    assert m.on_step_end(6)["gpu/energy_j_per_step"] == pytest.approx((414 + 600) / 4)  # the oldest log left it
+    fake.energy_mj = 5_000  # the counter went back
+    m.on_step_end(7)
+    assert "gpu/energy_j_per_step" not in m.on_step_end(8)
+    fake.energy_mj += 2 * 250_000
+    m.on_step_end(9)
+    assert m.on_step_end(10)["gpu/energy_j_per_step"] == pytest.approx(250.0)
+    bare = FakeNvml()
+    m = StepMetrics("cpu", 1e12, 1, clock=lambda: 0.0, nvml=NvmlReader(0, nvml=bare))
+    m.start()
+    assert "gpu/energy_j_per_step" not in m.on_step_end(1) and "gpu/power_w" in m.on_step_end(2)
 
 
 class FakeAccelerator:
