@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from flux_kernels.timing import sustained
 from flux_trainer.metrics.flops import flux_step_flops
+from flux_trainer.metrics.nvml import NvmlReader
 
 ATTENTION_SHAPE = (1, 24, 4608, 128)  # batch, heads, img + txt tokens at 1024², head dim
 GEMM = (4608, 3088, 21504)  # the single blocks' linear1 forward with lora_fold: tokens, 3072 + rank 16, out
@@ -104,27 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_energy: needs a CUDA GPU (and NVML: nvidia-ml-py)", file=sys.stderr)
         return 2
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-        limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
-    except Exception as e:  # noqa: BLE001 - said, then exit
-        print(f"bench_energy: NVML's energy counter is not readable here ({e})", file=sys.stderr)
+    nvml = NvmlReader(torch.cuda.current_device())
+    limits = nvml.power_limits_w()
+    if nvml.energy_j() is None or limits is None:
+        print("bench_energy: NVML's energy counter or power limit is not readable here (nvidia-ml-py)", file=sys.stderr)
         return 2
-
-    def energy_j():
-        return pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
-
-    def clock():
-        return pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
+    limit_w = limits[0]
 
     rows = []
     print(f"{'workload':32} {'ms/call':>8} {'rate':>14} {'mJ/call':>8} {'per joule':>14} {'W':>4} {'MHz':>5}")
     for name, kind, amount, fn in workloads():
-        r = {"workload": name, "kind": kind, **sustained(fn, ns.secs, energy_j), "mhz": clock()}
+        r = {"workload": name, "kind": kind, **sustained(fn, ns.secs, nvml.energy_j)}
+        r["mhz"] = nvml.read().get("gpu/sm_clock_mhz", float("nan"))
         if kind == "memory":
             r["gb_per_s"], r["gb_per_j"] = amount / r["ms"] / 1e6, amount / r["j"] / 1e9
             rate, per_j = f"{r['gb_per_s']:8.0f} GB/s", f"{r['gb_per_j']:8.2f} GB/J"

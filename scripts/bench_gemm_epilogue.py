@@ -285,19 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def energy_reader():
-    """NVML's energy counter of the current GPU in joules, or None where it cannot be read."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-    except Exception:  # noqa: BLE001 - time only, then
-        return None
-    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
-
-
 def projections(quack, gen: torch.Generator, ns: argparse.Namespace) -> int:
     from quack.gemm_config import GemmConfig
 
@@ -306,8 +293,10 @@ def projections(quack, gen: torch.Generator, ns: argparse.Namespace) -> int:
     configs = quack_configs(GemmConfig) if ns.configs else []
     timer = None
     if ns.sustained:
-        energy = energy_reader()
-        timer = lambda fn: sustained(fn, ns.sustained, energy)  # noqa: E731
+        from flux_trainer.metrics.nvml import NvmlReader
+
+        energy = NvmlReader(torch.cuda.current_device()).energy_j
+        timer = lambda fn: sustained(fn, ns.sustained, energy if energy() is not None else None)  # noqa: E731
     rows = []
     for case in [c for c in PROJECTIONS if c[0].startswith(ns.only)]:
         name, calls, m, k, n, how, bias = case
