@@ -36,8 +36,8 @@ for d in sorted({os.path.dirname(p) for p in glob.glob(f"/tmp/{os.environ['TAG']
     print(d)
     for tag in sorted(s):
         vals = [v for _, v in s[tag]]
-        med = sorted(vals[len(vals) // 2:])[len(vals[len(vals) // 2:]) // 2]  # the later half's median
-        print(f"  {tag:<28} n={len(vals):<3} first={vals[0]:.4g} last={vals[-1]:.4g} max={max(vals):.4g} late-median={med:.4g}")
+        late = sorted(vals[len(vals) // 2:])  # the later half, past the start-up's outliers
+        print(f"  {tag:<28} n={len(vals):<3} first={vals[0]:.4g} last={vals[-1]:.4g} max={max(vals):.4g} late-median={late[len(late) // 2]:.4g}")
     for k, v in sorted(t.items()):
         print(f"  text {k}: {v[:160]!r}")
 json.dump(losses, open(os.path.join(os.environ["OUT"], os.environ["TAG"] + "-losses.json"), "w"))
