@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 GRAPH_RECORD_ENV = "FLUX_KERNELS_GRAPH_RECORD"  # "torch": keep torch's own recording lookups (to compare them)
 GRAD_HOOKS = "_flux_kernels_grad_hooks"  # img_in / txt_in forward hooks: one compiled double-block variant
-_saved: dict[str, bool] = {}  # torch._functorch.config settings `install` changed, as they were before
+_saved: dict[str, Any] = {}  # torch._functorch.config patches `install` holds open, by key
 GRAPHSAFE_RNG = "graphsafe_rng_functionalization"  # torch._functorch.config's switches changed here
 AUTOGRAD_FUNCTIONS = "autograd_cache_allow_custom_autograd_functions"
 
@@ -56,20 +57,24 @@ def graphsafe_rng_blocks_cache() -> bool:
 
 
 def _override(name: str, value: bool) -> None:
-    """Set torch._functorch.config.<name> for the process, keeping what it was for `_put_back`."""
+    """Set torch._functorch.config.<name> for the process through the config's own patch() (never setattr: torch's
+    config modules are changed only that way), kept open until `_put_back`."""
     from torch._functorch import config
 
-    _saved.setdefault(name, getattr(config, name))
-    setattr(config, name, value)
+    if name in _saved:
+        return
+    change = config.patch({name: value})
+    change.__enter__()
+    _saved[name] = change
 
 
 def _put_back(name: str) -> bool:
-    """Undo `_override(name, ...)`; True when there was something to undo."""
-    from torch._functorch import config
-
-    if name not in _saved:
+    """Undo `_override(name, ...)` (the patch exited: the value before it is back); True when there was something
+    to undo."""
+    change = _saved.pop(name, None)
+    if change is None:
         return False
-    setattr(config, name, _saved.pop(name))
+    change.__exit__(None, None, None)
     return True
 
 

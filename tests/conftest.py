@@ -16,6 +16,34 @@ from PIL import Image
 
 from flux_trainer.config.compose import compose_run
 
+pytest_plugins = ["pytester", "tests.torch_config_guard"]  # a test leaving torch's config changed fails (see there)
+
+
+@contextlib.contextmanager
+def undoing(*undo):
+    """Run each of `undo` (callables, in order) when the block ends, however it ends, where tests would write
+    `try: ... finally: ...`. A `finally:` that fails replaces the test's own failure with its own; here the block's
+    failure is the one raised, with any failed undo added to it as a note. Every undo runs even if one fails; with
+    no failure in the block, the first failed undo is raised."""
+    failed: list[BaseException] = []
+    try:
+        yield
+    except BaseException as exc:
+        for fn in undo:
+            try:
+                fn()
+            except Exception as cleanup:  # noqa: BLE001 - told with the test's own failure, never instead of it
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"and undoing with {getattr(fn, '__name__', fn)!s} failed too: {cleanup!r}")
+        raise
+    for fn in undo:
+        try:
+            fn()
+        except Exception as cleanup:  # noqa: BLE001 - the rest still run; the first is raised below
+            failed.append(cleanup)
+    if failed:
+        raise failed[0]
+
 
 def make_images(folder: Path, n: int = 3, captions: bool = True, size=(96, 64)) -> Path:
     """n flat-colour images (a list of sizes is cycled through: several aspect-ratio buckets), captioned or not."""

@@ -209,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         if _is_main_process():
-            (ns.run_dir / EXIT_FILE).write_text(json.dumps({"code": code, "reason": reason}) + "\n")
+            try:  # never raised over the failure that ended training (a full disk fails both)
+                (ns.run_dir / EXIT_FILE).write_text(json.dumps({"code": code, "reason": reason}) + "\n")
+            except OSError as exc:
+                log.warning("exit record not written (%s): %s", EXIT_FILE, exc)
     return code
 
 

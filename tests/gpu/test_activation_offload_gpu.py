@@ -15,6 +15,7 @@ from torch._inductor import cudagraph_trees
 from flux_kernels import activation_offload as ao
 from flux_kernels import compile_blocks, patch, registry
 from flux_kernels import selective_checkpoint as sac
+from tests.conftest import undoing
 from tests.gpu.test_kernels_gpu import block_inputs, flux_blocks, leaves, rel
 
 pytestmark = [
@@ -53,7 +54,7 @@ def test_full_size_blocks_give_the_same_gradients_and_the_card_holds_less(fm, de
     compile_blocks.install(model)
     args = {kind: block_inputs(dev, kind) for kind in ("double", "single")}
     torch._dynamo.reset()
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         _step(model, args, dev)  # compiles
         want, held_plain = _step(model, args, dev)
         again, _ = _step(model, args, dev)  # the run-to-run difference without offload (attention's backward)
@@ -61,9 +62,6 @@ def test_full_size_blocks_give_the_same_gradients_and_the_card_holds_less(fm, de
         off = ao.offloader_of(model)
         _step(model, args, dev)  # the host buffers are allocated
         got, held = _step(model, args, dev)
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     errors = [rel(g, w) for g, w in zip(got, want, strict=True)]
     noise = [rel(a, w) for a, w in zip(again, want, strict=True)]
     print(
@@ -142,16 +140,13 @@ def test_with_cuda_graphs_late_copies_still_read_what_the_blocks_saved(fm, dev, 
     )
     torch._dynamo.reset()
     skips = counters["inductor"]["cudagraph_skips"]
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         want = _graph_steps(model, args, 5, records, plain)  # compile, warm-up, record, then replays
         # new graphs (dynamo's reset drops the recorded ones): recorded with the offloaded tensors' memory free
         torch._dynamo.reset()
         ao.install(model, keep_last=0, graphs=True)
         off = ao.offloader_of(model)
         got = _graph_steps(model, args, 5, records, offloaded)
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     noise = [rel(a, w) for a, w in zip(want[-2], want[-1], strict=True)]
     errors = [rel(g, w) for g, w in zip(got[-1], want[-1], strict=True)]
     print(f"\n  offloaded {off.step_tensors}; max rel. error {max(errors):.1e} (replays {max(noise):.1e}); {offloaded}")
@@ -199,7 +194,7 @@ def test_selectively_checkpointed_blocks_save_only_dense_tensors_that_offload_ca
     patch.apply_kernels(model, unchecked(names), verify=False)
     if kernels:
         lora_fold.sync(model.__dict__[lora_fold.ATTR][1])  # the model's first forward does it in training
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         gapped = []
         for kind, block in blocks.items():
             args = block_inputs(dev, kind)
@@ -210,6 +205,3 @@ def test_selectively_checkpointed_blocks_save_only_dense_tensors_that_offload_ca
                 if size >= 2**20 and not ao.dense(t):
                     gapped.append((kind, tuple(t.shape), t.stride()))
         assert gapped == []
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()

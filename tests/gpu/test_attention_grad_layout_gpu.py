@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flux_kernels import attention, patch
 from flux_kernels.registry import unchecked
-from tests.conftest import flux_block_pair
+from tests.conftest import flux_block_pair, undoing
 from tests.gpu.test_kernels_gpu import block_inputs, flux_blocks, outs_and_grads, rel, upcast
 
 pytestmark = [
@@ -43,7 +43,7 @@ def test_patched_blocks_after_the_probe_match_fp32(dev, fm, compiled, tmp_path):
     assert ops.attention.decide_run((1, 24, lt + li, 128), torch.bfloat16, dev, False) == "sdpa_cudnn"
     if compiled:
         patch.apply_kernels(model, unchecked(["compile_blocks"]), verify=False)
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         for kind, block in (("double", model.double_blocks[0]), ("single", model.single_blocks[0])):
             args = block_inputs(dev, kind, lt=lt, li=li)
             got = outs_and_grads(block, args)
@@ -52,9 +52,6 @@ def test_patched_blocks_after_the_probe_match_fp32(dev, fm, compiled, tmp_path):
             errors = [rel(g, w) for g, w in zip(got, want, strict=True)]
             print(f"\n  {kind} ({'compiled' if compiled else 'eager'}): max rel. errors against fp32 {max(errors):.2e}")
             assert max(errors) <= 3e-2, (kind, errors)
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     # whether this torch still has the fault, at a fresh shape (printed only; the assertions do not depend on it)
     err = attention.gradient_layout_error("sdpa_cudnn", dev, shape=(1, 24, lt + li + 8, 128))
     print(f"  cuDNN attention with a second gradient layout: max rel. error {err:.2g} against fp32")
@@ -70,10 +67,8 @@ def test_verify_blocks_leaves_cudnn_right_for_the_probe_at_its_shape(dev, fm, tm
     ops.attention = attention.AttentionDispatch(
         cache_path=tmp_path / "probe.json", backends={"sdpa_cudnn": attention.BACKENDS["sdpa_cudnn"]}, device=dev
     )
-    try:
+    with undoing(lambda: patch.remove_kernels(model)):
         assert patch.verify_blocks(model) == []
         for mask in (False, True):
             key = ops.attention.shape_key((1, 12, 8, 128), torch.bfloat16, dev, mask)
             assert ops.attention.choice.get(key) == "sdpa_cudnn", (mask, ops.attention.choice)
-    finally:
-        patch.remove_kernels(model)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from flux_kernels import compile_blocks
+from tests.conftest import undoing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -39,14 +40,11 @@ def cache_outcomes(tmp_path, monkeypatch) -> dict[str, int]:
 def test_checkpointed_attention_is_cached(tmp_path, monkeypatch, torch_config):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch_config(torch._inductor.config, fx_graph_cache=True)
-    try:
+    with undoing(compile_blocks.restore, torch._dynamo.reset):
         if compile_blocks.graphsafe_rng_blocks_cache():
             assert cache_outcomes(tmp_path, monkeypatch)["bypass"] > 0, "this torch was expected to bypass"
             assert compile_blocks.prefer_cacheable_rng(cuda_graphs=False)
         first = cache_outcomes(tmp_path, monkeypatch)
         second = cache_outcomes(tmp_path, monkeypatch)
-    finally:
-        compile_blocks.restore()
-        torch._dynamo.reset()
     assert first["bypass"] == 0 and second["bypass"] == 0, (first, second)
     assert second["hit"] >= 2 and second["miss"] == 0, second  # forward and backward from the cache

@@ -25,7 +25,7 @@ from flux_kernels.registry import (
     select,
     unchecked,
 )
-from tests.conftest import flux_block_pair
+from tests.conftest import flux_block_pair, undoing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -172,14 +172,11 @@ def test_full_size_blocks_patched_match_sd_scripts(dev, fm, mask):
     skip = ("fp8_matmul", "lora_fold", "lora_grad_norms", "flux_prologue")
     names = [n for n, s in REGISTRY.items() if s.target == "model" and n not in skip]
     assert patch.apply_kernels(model, select(names, dev)) == names  # verify_blocks ran inside
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         for kind, block in blocks.items():
             got = outs_and_grads(block, block_inputs(dev, kind, mask=mask))
             for i, (g, w) in enumerate(zip(got, want[kind], strict=True)):
                 assert rel(g, w) <= 5e-2, (kind, i, rel(g, w))
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 def test_full_size_compiled_blocks_keep_no_more_than_sd_scripts_compiled(dev, fm, capsys):
@@ -198,7 +195,7 @@ def test_full_size_compiled_blocks_keep_no_more_than_sd_scripts_compiled(dev, fm
     torch._dynamo.reset()
     names = ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "compile_blocks"]
     patch.apply_kernels(model, select(names, dev))
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         for kind, block in blocks.items():
             saved, peak = saved_bytes(block, block_inputs(dev, kind)), peak_bytes(block, block_inputs(dev, kind))
             mib = [f"{v / 2**20:.0f}" for v in (*want[kind], saved, peak)]
@@ -207,9 +204,6 @@ def test_full_size_compiled_blocks_keep_no_more_than_sd_scripts_compiled(dev, fm
                       f"with the kernels {mib[2]} ({mib[3]})")  # fmt: skip
             assert saved <= 1.01 * want[kind][0], (kind, saved, want[kind][0])  # summed over the 57 blocks
             assert peak <= want[kind][1] + 128 * 2**20, (kind, peak, want[kind][1])  # one block's transients
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 def test_full_size_blocks_with_gradient_checkpointing(dev, fm):
@@ -223,19 +217,17 @@ def test_full_size_blocks_with_gradient_checkpointing(dev, fm):
         want = {k: outs_and_grads(b, block_inputs(dev, k, mask=True)) for k, b in blocks.items()}
     names = ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
     patch.apply_kernels(model, select(names, dev))
-    try:
+    with undoing(lambda: patch.remove_kernels(model)):
         for kind, block in blocks.items():
             got = outs_and_grads(block, block_inputs(dev, kind, mask=True))
             for i, (g, w) in enumerate(zip(got, want[kind], strict=True)):
                 assert rel(g, w) <= 5e-2, (kind, i, rel(g, w))
-    finally:
-        patch.remove_kernels(model)
 
 
 def test_compiled_patched_block_without_graph_breaks(dev, fm):
     model = flux_blocks(fm, dev)
     patch.apply_kernels(model, unchecked(["qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention"]))
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         for kind, block in (("single", model.single_blocks[0]), ("double", model.double_blocks[0])):
             block.train()
             block.enable_gradient_checkpointing()
@@ -249,9 +241,6 @@ def test_compiled_patched_block_without_graph_breaks(dev, fm):
             compiled = outs_and_grads(block, args)
             errors = [rel(c, e) for c, e in zip(compiled, eager, strict=True)]
             assert max(errors) <= 2e-2, (kind, errors)
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 # ---- fp8 frozen matmuls -------------------------------------------------------------------------------------------
@@ -288,7 +277,7 @@ def test_fp8_base_blocks_compiled_with_checkpointing_match_the_upcast_path(dev, 
     with amp:
         want = {k: outs_and_grads(b, block_inputs(dev, k)) for k, b in blocks.items()}
     assert patch.apply_kernels(model, unchecked(["fp8_matmul"])) == ["fp8_matmul"]
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         for kind, block in blocks.items():
             block.enable_gradient_checkpointing()
             args = block_inputs(dev, kind)
@@ -301,9 +290,6 @@ def test_fp8_base_blocks_compiled_with_checkpointing_match_the_upcast_path(dev, 
             for i, (e, c, w) in enumerate(zip(eager, compiled, want[kind], strict=True)):
                 assert rel(e, w) <= 2 * FP8_TOLERANCE, (kind, i, rel(e, w))
                 assert rel(c, e) <= FP8_TOLERANCE, (kind, i, rel(c, e))
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 def test_fp8_quantised_on_the_cpu_then_moved_runs_without_host_syncs(dev, fm):
@@ -322,11 +308,9 @@ def test_fp8_quantised_on_the_cpu_then_moved_runs_without_host_syncs(dev, fm):
         outs_and_grads(block, (img, txt, vec, pe))  # the first call builds fp8_mm's compiled quantisation
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
-        try:
+        with undoing(lambda: torch.cuda.set_sync_debug_mode("default")):
             out = block(img, txt, vec, pe)
             torch.autograd.grad(sum(o.float().square().sum() for o in out), [img, txt])
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     assert all(t.is_cuda for _, lin in fp8.block_linears([block]) for t in lin._buffers.values())
 
 
@@ -362,7 +346,7 @@ def test_fp8_compiled_blocks_keep_no_more_than_the_compiled_upcast_path(dev, fm,
     patch.remove_kernels(model)
     torch._dynamo.reset()
     assert patch.apply_kernels(model, unchecked(["fp8_matmul", "compile_blocks"])) == ["fp8_matmul", "compile_blocks"]
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         for kind, block in blocks.items():
             with amp:
                 saved = saved_bytes(block, block_inputs(dev, kind))
@@ -370,9 +354,6 @@ def test_fp8_compiled_blocks_keep_no_more_than_the_compiled_upcast_path(dev, fm,
                 print(f"\n  {kind} block compiled, fp8 base, MiB kept for backward: upcast {want[kind] / 2**20:.0f}, "
                       f"fp8_matmul {saved / 2**20:.0f}")  # fmt: skip
             assert saved <= 1.01 * want[kind], (kind, saved, want[kind])
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 def test_l2_persisting_window_is_set_inside_and_removed_after(dev):
@@ -413,13 +394,9 @@ def test_compile_blocks_with_the_fused_ops_at_two_shapes_match_eager(dev, fm):
     shapes = [(512, 1024), (64, 256)]
     eager = [outs_and_grads(block, block_inputs(dev, "double", lt=lt, li=li)) for lt, li in shapes]
     torch._dynamo.reset()
-    try:
+    with undoing(lambda: compile_blocks.remove(model), lambda: patch.remove_kernels(model), torch._dynamo.reset):
         assert "inductor's code inside the compiled blocks" in compile_blocks.install(model)
         assert_matches_at_shapes(block, dev, "double", shapes, eager)
-    finally:
-        compile_blocks.remove(model)
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("kind", ["single", "double"])
@@ -432,13 +409,10 @@ def test_block_with_its_qkv_op_compiles_without_graph_breaks(dev, fm, kind):
     device._triton_found = None
     model = flux_blocks(fm, dev)
     patch.apply_kernels(model, unchecked(["attention", f"{kind}_qkv"]))
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         block = (model.single_blocks if kind == "single" else model.double_blocks)[0].train()
         explained = torch._dynamo.explain(block.forward)(*block_inputs(dev, kind, lt=64, li=256))
         assert explained.graph_break_count == 0, explained.break_reasons
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("L", [4608, 333])
@@ -501,13 +475,9 @@ def test_compiled_blocks_with_their_qkv_op_at_two_shapes_match_eager(dev, fm, ch
     assert calls, f"the eager block did not go through {kind}_qkv"
     assert set(calls) == {gelu_in_kernel}
     torch._dynamo.reset()
-    try:
+    with undoing(lambda: compile_blocks.remove(model), lambda: patch.remove_kernels(model), torch._dynamo.reset):
         assert "inductor's code inside" not in compile_blocks.install(model)
         assert_matches_at_shapes(block, dev, kind, shapes, eager)
-    finally:
-        compile_blocks.remove(model)
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 def with_lora(lora_flux, model, dev):
@@ -548,7 +518,7 @@ def test_plainly_checkpointed_compiled_blocks_keep_no_more_with_autograd_functio
     patch.apply_kernels(model, unchecked(["attention", *kernels, "compile_blocks"]), verify=False)
     if "lora_fold" in kernels:
         lora_fold.sync(model.__dict__[lora_fold.ATTR][1])  # the model's first forward does it in training
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         with without_cudnn():
             for kind, block in blocks.items():
                 saved = saved_bytes(block, block_inputs(dev, kind))
@@ -556,9 +526,6 @@ def test_plainly_checkpointed_compiled_blocks_keep_no_more_with_autograd_functio
                 got = outs_and_grads(block, block_inputs(dev, kind))
                 for i, (g, w) in enumerate(zip(got, want[kind][1], strict=True)):
                     assert rel(g, w) <= 5e-2, (kind, i, rel(g, w))
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize(("out", "inp", "k"), [(21504, 3072, 38), (3072, 15360, 38), (333, 77, 3)])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flux_kernels import prologue
+from tests.conftest import undoing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,9 +54,7 @@ def test_no_host_sync_once_the_tables_exist_where_sd_scripts_syncs(fm):
     prologue.rope_table(ids, AXES, THETA), prologue.timestep_embedding(t, 256), kept(1, 64, 64)  # build the tables
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:
+    with undoing(lambda: torch.cuda.set_sync_debug_mode("default")):
         prologue.rope_table(ids, AXES, THETA), prologue.timestep_embedding(t, 256), kept(1, 64, 64)
         with pytest.raises(RuntimeError, match="synchroniz"):
             fm.timestep_embedding(t, 256)  # its frequency table: a pageable host-to-device copy, every call
-    finally:
-        torch.cuda.set_sync_debug_mode("default")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flux_kernels import patch, registry
-from tests.conftest import tiny_flux, tiny_flux_forward
+from tests.conftest import tiny_flux, tiny_flux_forward, undoing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")]
 
@@ -29,7 +29,7 @@ def test_auto_with_cuda_graphs_draws_nothing_from_the_runs_random_streams(fm, tm
     torch.manual_seed(3)
     random.seed(3)
     before = _states()
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         graphs = {"compile_blocks": {"options": {"triton.cudagraphs": True}}}  # as the runner asks for them
         installed = patch.apply_kernels(model, registry.select("auto", "cuda"), options=graphs)
         for _ in range(3):  # warm-up, recording, replay
@@ -40,9 +40,6 @@ def test_auto_with_cuda_graphs_draws_nothing_from_the_runs_random_streams(fm, tm
                 loss = tiny_flux_forward(model, device="cuda").float().square().mean()
             loss.backward()
         torch.cuda.synchronize()
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     assert "compile_blocks" in installed and "attention" in installed
     after = _states()
     assert torch.equal(after[0], before[0]), "torch's CPU generator moved"

@@ -15,6 +15,7 @@ from flux_kernels import selective_checkpoint as sac
 from flux_kernels.reference import saved_bytes
 from flux_kernels.registry import FP8_TOLERANCE, unchecked
 from flux_trainer.sdscripts.checkpoint_fit import SELECTIVE_COPIES
+from tests.conftest import undoing
 from tests.gpu.test_kernels_gpu import block_inputs, flux_blocks, outs_and_grads, rel
 
 pytestmark = [
@@ -36,7 +37,7 @@ def test_full_size_blocks_keep_the_planned_outputs_with_the_same_gradients(fm, f
     if fp8:
         patch.apply_kernels(model, unchecked(["fp8_matmul"]), options={"fp8_matmul": {"quantize": True}})
     torch._dynamo.reset()
-    try:
+    with undoing(lambda: patch.remove_kernels(model), lambda: sac.remove(model), torch._dynamo.reset):
         want = {k: (outs_and_grads(b, block_inputs(dev, k)), saved_bytes(b, block_inputs(dev, k))) for k, b in
                 blocks.items()}  # fmt: skip
         sac.install(model)
@@ -54,7 +55,3 @@ def test_full_size_blocks_keep_the_planned_outputs_with_the_same_gradients(fm, f
             # bf16: the same values saved as recomputed; fp8: inductor fuses the activations' quantisation into
             # other kernels in a recompute than in a forward, so the rounding to e4m3 may differ (fp8 tolerance)
             assert max(errors) <= (FP8_TOLERANCE if fp8 else 1e-2), (kind, errors)
-    finally:
-        patch.remove_kernels(model)
-        sac.remove(model)
-        torch._dynamo.reset()

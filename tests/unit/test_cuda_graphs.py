@@ -11,6 +11,7 @@ import pytest
 from flux_trainer.config import ConfigError
 from flux_trainer.config.validate import cuda_graphs_decision, cuda_graphs_setting
 from flux_trainer.sdscripts import hooks as hooks_mod
+from tests.conftest import undoing
 
 
 @pytest.mark.parametrize(
@@ -294,16 +295,12 @@ def test_cache_bypass_reasons_come_from_torch_itself(tmp_path, monkeypatch, capl
     catch = Catch(level=logging.DEBUG)
     codecache_log.addHandler(catch)
     reasons = hooks_mod.CacheBypassReasons().install()
-    try:
+    with undoing(reasons.remove, lambda: codecache_log.removeHandler(catch), torch._dynamo.reset):
         torch._dynamo.reset()
         bypassed = counters["inductor"]["fxgraph_cache_bypass"]
         f = torch.compile(lambda x: torch.sin(x) * 2 + 1)
         f(torch.randn(8, 5))
         assert counters["inductor"]["fxgraph_cache_bypass"] > bypassed
-    finally:
-        reasons.remove()
-        codecache_log.removeHandler(catch)
-        torch._dynamo.reset()
     assert codecache_log.level == level_before
     assert reasons.reasons == {
         "inductor: Unsupported post grad custom pass": 1,

@@ -17,7 +17,7 @@ from flux_kernels import activation_offload as ao
 from flux_kernels import compile_blocks, registry
 from flux_kernels import selective_checkpoint as sac
 from flux_kernels.patch import KernelError
-from tests.conftest import tiny_flux, tiny_flux_forward
+from tests.conftest import tiny_flux, tiny_flux_forward, undoing
 
 
 def test_the_probe_pair_agrees_and_auto_leaves_it_out():
@@ -221,21 +221,23 @@ def test_sd_scripts_compiled_blocks_give_the_same_gradients_with_their_saved_ten
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
     plain = _model(fm, offload=False)
-    try:
+    made = [plain]
+
+    def remove_kernels():
+        for m in made:
+            sac.remove(m)
+            ao.remove(m)
+            compile_blocks.remove(m)
+
+    with undoing(remove_kernels, torch._dynamo.reset):
         want = _grads(plain)
         model = _model(fm, offload=True)
+        made.append(model)
         off = ao.offloader_of(model)
         packed = []
         monkeypatch.setattr(off, "pack", lambda g, t, pack=off.pack: packed.append(r := pack(g, t)) or r)
         got = _grads(model)
         again = _grads(model)  # a second step reuses the host buffers
-    finally:
-        for m in (plain, locals().get("model")):
-            if m is not None:
-                sac.remove(m)
-                ao.remove(m)
-                compile_blocks.remove(m)
-        torch._dynamo.reset()
     assert len(got) == len(want) > 40
     for g, g2, w in zip(got, again, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
@@ -254,17 +256,14 @@ def test_the_last_checkpointed_block_keeps_its_tensors_and_unchecked_blocks_are_
     torch._dynamo.reset()
     model = _model(fm, offload=True, keep_last=1)
     off = ao.offloader_of(model)
-    try:
+    with undoing(
+        lambda: sac.remove(model), lambda: ao.remove(model), lambda: compile_blocks.remove(model), torch._dynamo.reset
+    ):
         _grads(model)
         one_block = off.step_tensors
         model.single_blocks[0].gradient_checkpointing = False  # the double block is now the last checkpointed one
         _grads(model)
         none = off.step_tensors
-    finally:
-        sac.remove(model)
-        ao.remove(model)
-        compile_blocks.remove(model)
-        torch._dynamo.reset()
     assert one_block > 0
     assert none == 0
 

@@ -21,6 +21,7 @@ from flux_kernels.attention import (
     chosen,
     probe_attention,
 )
+from tests.conftest import undoing
 
 SHAPE = (1, 2, 33, 16)
 
@@ -341,7 +342,7 @@ def _decide_on_rank(rank: int, world: int, init: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with undoing(dist.destroy_process_group):
         backends = {name: attention.BACKENDS[name] for name in ("sdpa", "sdpa_math")}
         dispatch = AttentionDispatch(cache_path=None, backends=backends)
         own = "sdpa_math" if rank == 0 else "sdpa"
@@ -349,8 +350,6 @@ def _decide_on_rank(rank: int, world: int, init: str, out_dir: str) -> None:
         chosen_here = dispatch.decide_run(SHAPE, torch.float32, "cpu", False)
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump([own, chosen_here, dispatch.run_line], f)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_rank_uses_rank_zeros_attention_choice(tmp_path):

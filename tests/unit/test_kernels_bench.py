@@ -69,10 +69,10 @@ def test_tiny_cpu_lora_norms_section(bench, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_tiny_cpu_single_qkv_section(bench, tmp_path, monkeypatch):
+def test_tiny_cpu_single_qkv_section(bench, tmp_path, monkeypatch, torch_config):
     """Both forms of the single block's linear1 gradient, compiled, through Triton's interpreter: the same gradient."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    torch_config(torch._inductor.config, fx_graph_cache=False)
     (row,) = tiny_cpu_section(bench, tmp_path, "--single-qkv")
     assert row["name"] == "9x808" and not [k for k in row if k.endswith("_error")], row
     assert row["kernels_ms"] > 0 and row["inductor_gelu_gbps"] > 0 and row["speedup"] > 0

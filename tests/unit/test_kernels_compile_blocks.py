@@ -10,16 +10,16 @@ from torch._functorch import config as functorch_config
 from torch._prims import rng_prims
 
 from flux_kernels import compile_blocks, graph_record, patch
-from tests.conftest import tiny_flux, tiny_flux_forward
+from tests.conftest import tiny_flux, tiny_flux_forward, undoing
 
 
 @pytest.fixture
-def graphsafe_uncacheable(monkeypatch):
+def graphsafe_uncacheable(monkeypatch, torch_config):
     """This torch as 2.11 is: the graph-safe RNG op not cacheable, the host-state ones cacheable."""
     monkeypatch.setattr(rng_prims.graphsafe_run_with_rng_state, "cacheable", lambda: False)
     monkeypatch.setattr(rng_prims.run_and_save_rng_state, "cacheable", lambda: True)
     monkeypatch.setattr(rng_prims.run_with_rng_state, "cacheable", lambda: True)
-    monkeypatch.setattr(functorch_config, "graphsafe_rng_functionalization", True)
+    torch_config(functorch_config, graphsafe_rng_functionalization=True)
     yield
     compile_blocks.restore()
     compile_blocks.restore_autograd_functions()
@@ -140,11 +140,9 @@ def test_one_compiled_double_block_graph_for_every_double_block(fm):
         assert not any(m._forward_hooks for m in (model.img_in, model.txt_in))
         return counters["stats"]["unique_graphs"] - graphs, grads
 
-    try:
+    with undoing(torch._dynamo.reset):
         plain_graphs, plain_grads = train_once(use_install=False)
         graphs, grads = train_once(use_install=True)
-    finally:
-        torch._dynamo.reset()
     assert plain_graphs == 3  # double (first), double (the others), single
     assert graphs == 2
     for a, b in zip(grads, plain_grads, strict=True):
@@ -184,11 +182,8 @@ def test_compiled_blocks_call_the_backend_the_probe_chose(fm, tmp_path, choice, 
     }
     model = _tiny_flux_with(fm, ["attention", "compile_blocks"], choice, options)
     torch._dynamo.reset()
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         _train_step(model)
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     assert traced, "nothing was compiled"
     assert any("_scaled_dot_product_flash_attention_for_cpu" in t for t in traced) == fused, sorted(set(traced))
 
@@ -217,12 +212,9 @@ def test_compiled_blocks_with_cudnn_fa4_call_its_ops_and_train_as_with_sdpa(fm, 
         }
         model = _tiny_flux_with(fm, ["attention", "compile_blocks"], choice, options)
         torch._dynamo.reset()
-        try:
+        with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
             loss = tiny_flux_forward(model).square().mean()
             loss.backward()
-        finally:
-            patch.remove_kernels(model)
-            torch._dynamo.reset()
         return loss.detach(), [p.grad for p in model.img_in.parameters()], traced
 
     loss, grads, traced = run("cudnn_fa4")
@@ -250,11 +242,8 @@ def test_compiled_blocks_with_a_chosen_backend_stay_in_the_autograd_cache(fm, tm
     model = _tiny_flux_with(fm, ["attention", "compile_blocks"], "sdpa_flash", options)
     torch._dynamo.reset()
     before = {k: counters["aot_autograd"][f"autograd_cache_{k}"] for k in ("bypass", "miss")}
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         _train_step(model)
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     assert counters["aot_autograd"]["autograd_cache_miss"] > before["miss"]  # the graphs went through the cache
     assert counters["aot_autograd"]["autograd_cache_bypass"] == before["bypass"]
 
@@ -279,12 +268,9 @@ def _cached_run(fm, tmp_path) -> tuple[dict[str, int], list[torch.Tensor], str]:
     model = _tiny_flux_with(fm, ["attention", "single_qkv", "compile_blocks"], "sdpa_math", options)
     torch._dynamo.reset()
     before = {k: counters["aot_autograd"][f"autograd_cache_{k}"] for k in ("bypass", "miss", "hit")}
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         _, codes = run_and_get_code(_train_step, model)
         grads = [p.grad.clone() for p in model.img_in.parameters()]
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     return {k: counters["aot_autograd"][f"autograd_cache_{k}"] - n for k, n in before.items()}, grads, "\n".join(codes)
 
 
@@ -344,10 +330,8 @@ def test_a_changed_backward_is_a_cache_miss(tmp_path, monkeypatch, torch_config)
         torch.compile(lambda t: Sin.apply(t) + 1)(x).sum().backward()
         return x.grad, counters["aot_autograd"]["autograd_cache_hit"] - hits
 
-    try:
+    with undoing(torch._dynamo.reset):
         (one, _), (one_again, hit), (three, hit3) = grad_with(1.0), grad_with(1.0), grad_with(3.0)
-    finally:
-        torch._dynamo.reset()
     assert hit == 1 and hit3 == 0
     torch.testing.assert_close(one_again, one)
     torch.testing.assert_close(three, 3 * one)
@@ -370,13 +354,10 @@ def test_installing_kernels_and_the_first_forward_draw_nothing_from_the_runs_ran
     torch_state, py_state = torch.get_rng_state(), random.getstate()
     options = {"attention": {"cache_path": tmp_path / "attention.json", "device": torch.device("cpu")}}
     names = ["attention", "single_qkv", "flux_prologue", "compile_blocks"]
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         installed = patch.apply_kernels(model, registry.unchecked(names), options=options)
         dispatch = model.double_blocks[0]._flux_kernels.attention
         tiny_flux_forward(model).square().mean().backward()
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     assert sorted(installed) == sorted(names)
     assert dispatch.run_choice is not None  # the first forward probed
     assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == py_state

@@ -13,7 +13,7 @@ import torch
 from flux_kernels import fp8, patch, registry
 from flux_kernels.reference import saved_bytes
 from flux_kernels.registry import FP8_TOLERANCE, REGISTRY, KernelSpec, Selection, probe
-from tests.conftest import cpu_row_scales, flux_block_pair
+from tests.conftest import cpu_row_scales, flux_block_pair, undoing
 
 HIDDEN, HEADS = 256, 2
 
@@ -94,7 +94,7 @@ def test_traced_by_torch_compile_the_quantisation_is_left_for_inductor_to_fuse()
     torch._dynamo.reset()
 
 
-def test_quantising_in_the_graph_keeps_nothing_more_for_backward():
+def test_quantising_in_the_graph_keeps_nothing_more_for_backward(monkeypatch):
     """The quantised activations (x8, its scales) feed only the forward matmul: AOT autograd must not keep them for
     backward. Bytes kept per forward, compiled, with the quantisation in the graph and inside the op: equal."""
     gen = torch.Generator().manual_seed(4)
@@ -105,15 +105,12 @@ def test_quantising_in_the_graph_keeps_nothing_more_for_backward():
         return fp8.fp8_linear(torch.nn.functional.gelu(x), w8, scale)
 
     def kept(in_graph: bool) -> int:
-        fp8.QUANTIZE_IN_GRAPH = in_graph
+        monkeypatch.setattr(fp8, "QUANTIZE_IN_GRAPH", in_graph)
         torch._dynamo.reset()
         return saved_bytes(torch.compile(f, backend="aot_eager", fullgraph=True), (x,), also_skip=(w8, scale))
 
-    try:
+    with undoing(torch._dynamo.reset):
         in_op, in_graph = kept(False), kept(True)
-    finally:
-        fp8.QUANTIZE_IN_GRAPH = fp8.quantize_in_graph_from()
-        torch._dynamo.reset()
     assert in_graph == in_op < x.numel()  # the row scales of the weight at most: no activation-sized tensor
 
 

@@ -11,6 +11,7 @@ import torch
 from torch._inductor import cudagraph_trees as cgt
 
 from flux_kernels import graph_record
+from tests.conftest import undoing
 
 TORCH = {name: cgt.CUDAGraphNode.__dict__[name] for name in graph_record.METHODS}
 
@@ -114,13 +115,13 @@ def test_the_probe_rejects_a_torch_whose_methods_read_more_than_the_path():
 
 
 def test_install_patches_torch_once_and_remove_puts_its_methods_back(monkeypatch):
-    try:
+    removed = []
+    with undoing(lambda: removed.append(graph_record.remove())):
         assert graph_record.install() == "CUDA graph recording: indexed alias lookups"
         assert graph_record.install() == "CUDA graph recording: indexed alias lookups"  # once
         for name in graph_record.METHODS:
             assert cgt.CUDAGraphNode.__dict__[name] is graph_record.OURS[name]
-    finally:
-        assert graph_record.remove()
+    assert removed == [True]
     assert not graph_record.remove()
     for name in graph_record.METHODS:
         assert cgt.CUDAGraphNode.__dict__[name] is TORCH[name]

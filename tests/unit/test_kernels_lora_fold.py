@@ -13,6 +13,7 @@ from torch import nn
 
 from flux_kernels import lora_fold, lora_norms, patch, registry
 from flux_kernels.reference import max_rel_err
+from tests.conftest import undoing
 
 
 def _inputs(dtype, m=37, k=24, n=160, r=4, seed=0):
@@ -57,20 +58,18 @@ def test_the_input_gradient_is_added_in_place_into_the_gemms_output():
     torch.testing.assert_close(dx, dy @ w + (0.75 * (dy @ b)) @ a, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_backward_takes_the_input_gradient_op_and_no_addmm(monkeypatch):
+def test_compiled_backward_takes_the_input_gradient_op_and_no_addmm(monkeypatch, torch_config):
     """Traced, the backward calls the custom op (inductor would otherwise turn the in-place add on a view back into
     an addmm that copies its input, and a scatter), with the gradients of compiled and eager code equal."""
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    torch_config(torch._inductor.config, fx_graph_cache=False)
     x, w, bias, a, b = _inputs(torch.float32)
     want = _outs_and_grads(lora_fold.fast_linear, x, w, bias, a, b, 0.75)
     torch._dynamo.reset()
-    try:
+    with undoing(torch._dynamo.reset):
         compiled = torch.compile(lora_fold.fast_linear)
         got, codes = run_and_get_code(_outs_and_grads, compiled, x, w, bias, a, b, 0.75)
-    finally:
-        torch._dynamo.reset()
     _assert_close(got, want, 1e-5)
     backward = next(c for c in codes if "lora_fold_input_grad" in c)
     assert "addmm" not in backward, backward

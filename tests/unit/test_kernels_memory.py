@@ -17,7 +17,7 @@ import torch
 from flux_kernels import patch, reference
 from flux_kernels.reference import saved_bytes
 from flux_kernels.registry import unchecked
-from tests.conftest import flux_block_pair
+from tests.conftest import flux_block_pair, undoing
 
 ALL_OPS = ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
 LT, LI = 8, 24
@@ -87,13 +87,10 @@ def test_compiled_patched_blocks_keep_no_more_than_compiled_sd_scripts(fm, mask)
     patch.apply_kernels(model, unchecked(ALL_OPS), verify=True)  # as in training: verified at a tiny shape first
     for b in by_kind(model).values():
         b.compile(backend="aot_eager_decomp_partition")
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         for kind, block in by_kind(model).items():
             got = saved_bytes(block, inputs(kind, mask))
             assert got <= want[kind], (kind, got, want[kind])
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
 
 
 def test_gradient_checkpointing_patched_blocks_match_sd_scripts(fm):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flux_kernels import patch, reference
+from tests.conftest import undoing
 
 HIDDEN, HEADS = 256, 2  # head_dim 128, as FLUX
 
@@ -115,10 +116,8 @@ def test_every_block_attention_gets_a_contiguous_gradient(fm):
     model = _blocks(fm, torch.float32)
     want = _run_blocks(model, torch.float32, True)
     patch._ops_of(model).attention = backend
-    try:
+    with undoing(lambda: patch.remove_kernels(model)):
         got = _run_blocks(model, torch.float32, True)
-    finally:
-        patch.remove_kernels(model)
     assert seen == [True, True]  # the double block's and the single block's attention
     assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want, strict=True))
 

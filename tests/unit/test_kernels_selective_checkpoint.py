@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flux_kernels import fp8, patch, registry
 from flux_kernels import selective_checkpoint as sac
 from flux_kernels.reference import saved_bytes
-from tests.conftest import tiny_flux, tiny_flux_forward
+from tests.conftest import tiny_flux, tiny_flux_forward, undoing
 
 aten = torch.ops.aten
 
@@ -82,10 +82,10 @@ def test_sd_scripts_blocks_skip_recomputing_attention_and_wide_matmuls_with_the_
     plain_calls, selective_calls = Calls(), Calls()
     want = _grads(_model(fm, selective=False), plain_calls)
     model = _model(fm, selective=True)
-    try:
+    removed = []
+    with undoing(lambda: removed.append(sac.remove(model))):
         got = _grads(model, selective_calls)
-    finally:
-        assert sac.remove(model)
+    assert removed == [True]
     assert len(got) == len(want) > 40
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
@@ -99,7 +99,7 @@ def test_sd_scripts_blocks_skip_recomputing_attention_and_wide_matmuls_with_the_
 def test_compiled_blocks_keep_what_the_policy_says_with_the_same_gradients(fm, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
-    try:
+    with undoing(lambda: sac.remove(model), torch._dynamo.reset):
         plain = _model(fm, selective=False, compiled=True)
         want = _grads(plain)
         plain_bytes = saved_bytes(lambda: tiny_flux_forward(plain, img_tokens=64, txt_tokens=16), ())
@@ -107,9 +107,6 @@ def test_compiled_blocks_keep_what_the_policy_says_with_the_same_gradients(fm, t
         model = _model(fm, selective=True, compiled=True)
         got = _grads(model)
         kept = saved_bytes(lambda: tiny_flux_forward(model, img_tokens=64, txt_tokens=16), ())
-    finally:
-        sac.remove(model)
-        torch._dynamo.reset()
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     # kept besides: the two blocks' attention outputs [1, 80, 256] fp32 and the single block's linear2 output of the
@@ -124,11 +121,8 @@ def _cache_counts(fm) -> dict[str, int]:
     before = dict(counters["aot_autograd"])
     torch._dynamo.reset()
     model = _model(fm, selective=True, compiled=True)
-    try:
+    with undoing(lambda: sac.remove(model), torch._dynamo.reset):
         _grads(model)
-    finally:
-        sac.remove(model)
-        torch._dynamo.reset()
     return {
         k: counters["aot_autograd"][f"autograd_cache_{k}"] - before.get(f"autograd_cache_{k}", 0)
         for k in ("hit", "miss", "bypass")
@@ -172,7 +166,7 @@ def test_compile_blocks_routes_plain_checkpointing_through_a_recompute_everythin
     torch._dynamo.reset()
     model = _model(fm, selective=False)
     before = dict(counters["aot_autograd"])
-    try:
+    with undoing(lambda: patch.remove_kernels(model), torch._dynamo.reset):
         assert "plainly checkpointed blocks recompute all their ops" in compile_blocks.install(model)
         assert fm.checkpoint is sac.checkpoint
         blocks = [*model.double_blocks, *model.single_blocks]
@@ -180,9 +174,6 @@ def test_compile_blocks_routes_plain_checkpointing_through_a_recompute_everythin
         got = _grads(model)  # `plain_contexts` for these blocks: test_calls_it_does_not_own_pass_through_unchanged
         kept = saved_bytes(lambda: tiny_flux_forward(model, img_tokens=64, txt_tokens=16), ())
         bypass = counters["aot_autograd"]["autograd_cache_bypass"] - before.get("autograd_cache_bypass", 0)
-    finally:
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     assert fm.checkpoint is original
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
@@ -193,13 +184,13 @@ def test_compile_blocks_routes_plain_checkpointing_through_a_recompute_everythin
 def test_install_hooks_only_the_installed_models_blocks_and_remove_restores(fm):
     original = fm.checkpoint
     model, other = _model(fm, selective=True), _model(fm, selective=False)
-    try:
+    removed = []
+    with undoing(lambda: removed.append(sac.remove(model))):
         assert fm.checkpoint is sac.checkpoint
         calls = Calls()
         _grads(other, calls)  # a block without the switch: checkpointed as sd-scripts does
         assert calls.calls["_scaled_dot_product_flash_attention_for_cpu"] == 2
-    finally:
-        assert sac.remove(model)
+    assert removed == [True]
     assert fm.checkpoint is original and not sac.remove(model)
 
 
@@ -254,9 +245,7 @@ def test_torchs_in_place_warning_is_dropped_and_nothing_else():
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
     logger.addHandler(handler)
-    try:
+    with undoing(lambda: logger.removeHandler(handler)):
         logger.warning("Detected that context_fn is passed to torch.utils.checkpoint under torch.compile.")
         logger.warning("something else")
-    finally:
-        logger.removeHandler(handler)
     assert seen == ["something else"]

@@ -15,6 +15,7 @@ import torch
 
 from flux_kernels import fast, patch, reference, registry, single_qkv
 from flux_kernels.single_qkv import reference_double_qkv, reference_single_qkv
+from tests.conftest import undoing
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -214,13 +215,11 @@ def test_traced_code_calls_the_custom_op_on_the_gradients_as_they_come(monkeypat
 
     fast._ops_lib()  # registered before tracing, as the probe does in training (registering traced breaks the graph)
     torch._dynamo.reset()
-    try:
+    with undoing(torch._dynamo.reset):
         (_, want), (_, got) = (
             outs_and_grads(permuted_q_reference, args),
             outs_and_grads(torch.compile(permuted_q, backend=backend), args),
         )
-    finally:
-        torch._dynamo.reset()
     code = "\n".join(gm.code for gm in backward_graphs)
     assert "flux_kernels.single_qkv_bwd" in code and "triton_kernel_wrapper" not in code, code
     assert "aten.clone" not in code, code
@@ -236,7 +235,6 @@ def _compiled_backward(monkeypatch, mlp_out, fast_fn=single_qkv.single_qkv) -> s
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     lin1, q_scale, k_scale, pe, heads, width = inputs(torch.float32, B=1, L=5)
 
     def block(fn, x):
@@ -245,11 +243,9 @@ def _compiled_backward(monkeypatch, mlp_out, fast_fn=single_qkv.single_qkv) -> s
 
     fast._ops_lib()  # registered before tracing, as the probe does in training (registering traced breaks the graph)
     torch._dynamo.reset()
-    try:
+    with undoing(torch._dynamo.reset), torch._inductor.config.patch(fx_graph_cache=False):
         compiled = torch.compile(functools.partial(block, fast_fn))
         (_, got), codes = run_and_get_code(outs_and_grads, compiled, (lin1,))
-    finally:
-        torch._dynamo.reset()
     _, want = outs_and_grads(functools.partial(block, reference_single_qkv), (lin1,))
     assert reference.max_rel_err(got[0], want[0]) <= TOL[torch.float32]
     return next(c for c in codes if "single_qkv_bwd.default(" in c)
@@ -311,7 +307,7 @@ def test_patched_block_matches_sd_scripts(fm, backward, dtype, kind):
     want = _run(model, dtype, kind)
     op = f"{kind}_qkv"
     assert patch.install_block_op(model, op=op) == f"{op}: 1 double + 1 single blocks"
-    try:
+    with undoing(lambda: patch.remove_kernels(model)):
         calls = []
         original = single_qkv._QKV.apply
         with pytest.MonkeyPatch.context() as mp:
@@ -323,8 +319,6 @@ def test_patched_block_matches_sd_scripts(fm, backward, dtype, kind):
         assert all(torch.equal(g, w) for g, w in zip(got[:n_outs], want[:n_outs], strict=True))  # same ops, order
         assert all(reference.max_rel_err(g, w) <= TOL[dtype] for g, w in zip(got, want, strict=True))
         assert patch.verify_blocks(model) == []
-    finally:
-        patch.remove_kernels(model)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
@@ -344,10 +338,8 @@ def test_checkpointed_blocks_keep_the_torch_backward(fm, monkeypatch, checkpoint
     block.gradient_checkpointing = checkpointed
     want = _run(model, torch.float32, kind)
     patch.install_block_op(model, op=f"{kind}_qkv")
-    try:
+    with undoing(lambda: patch.remove_kernels(model)):
         got = _run(model, torch.float32, kind)
-    finally:
-        patch.remove_kernels(model)
     assert bool(triton_calls) != checkpointed
     assert bool(qkv_calls) == (kind == "single" or not checkpointed)
     assert all(reference.max_rel_err(g, w) <= TOL[torch.float32] for g, w in zip(got, want, strict=True))
@@ -378,16 +370,13 @@ def test_a_block_whose_linear2_is_mirror_folded_takes_gelus_gradient_in_the_kern
     flags = []
     apply = single_qkv._QKV.apply
     patch.install_block_op(model, op="single_qkv")
-    try:
+    with undoing(lambda: patch.remove_kernels(model), lambda: lora_fold.uninstall(block)):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(single_qkv._QKV, "apply", lambda *a: flags.append(a[4]) or apply(*a))
             unfolded = run()
             assert lora_fold.install(block) == 2 and lora_fold.folded_down(block.linear2)
             assert not lora_fold.folded_down(block.linear1)
             folded = run()
-    finally:
-        patch.remove_kernels(model)
-        lora_fold.uninstall(block)
     assert flags == [False, True]
     assert not lora_fold.folded_down(block.linear2)
     for got in (unfolded, folded):
@@ -407,10 +396,8 @@ def test_double_blocks_hand_attention_token_major_q_k_v(fm, monkeypatch, tmp_pat
         patch.BlockOps, "attend", lambda self, q, k, v, m: seen.append((q, k, v)) or attend(self, q, k, v, m)
     )
     patch.install_block_op(model, op="attention")
-    try:
+    with undoing(lambda: patch.remove_kernels(model)):
         got = _run(model, torch.float32, "double")
-    finally:
-        patch.remove_kernels(model)
     (q, k, v), *_ = seen
     B, H, L, D = q.shape
     for t in (q, k, v):
@@ -424,13 +411,11 @@ def test_a_block_with_another_activation_keeps_its_own_ops(fm):
     model = _single_block_model(fm, torch.float32, act=torch.nn.GELU())  # exact GELU: not what single_qkv computes
     want = _run(model, torch.float32)
     patch.install_block_op(model, op="single_qkv")
-    try:
+    with undoing(lambda: patch.remove_kernels(model)):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(single_qkv._QKV, "apply", lambda *a: pytest.fail("used with an exact GELU"))
             got = _run(model, torch.float32)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    finally:
-        patch.remove_kernels(model)
 
 
 def test_it_is_not_one_of_the_fused_triton_ops_for_compile_blocks(fm):
@@ -438,7 +423,5 @@ def test_it_is_not_one_of_the_fused_triton_ops_for_compile_blocks(fm):
 
     model = _single_block_model(fm, torch.float32)
     patch.install_block_op(model, op="single_qkv")
-    try:
+    with undoing(lambda: patch.remove_kernels(model)):
         assert compile_blocks._fused_ops(model.single_blocks) == []  # no TRACED note, no RNG variant forced
-    finally:
-        patch.remove_kernels(model)

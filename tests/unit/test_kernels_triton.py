@@ -21,7 +21,7 @@ from flux_kernels.registry import (
     qk_example,
     unchecked,
 )
-from tests.conftest import flux_block_pair
+from tests.conftest import flux_block_pair, undoing
 
 
 @pytest.fixture(scope="module")
@@ -215,13 +215,9 @@ def test_compiled_blocks_use_the_reference_for_the_fused_ops(dev, fm):
     shapes = [(3, 5), (4, 9)]  # (text, image) tokens
     eager = [outs_and_grads(block, a, leaves(a)) for a in (_double_inputs(dev, lt, li) for lt, li in shapes)]
     torch._dynamo.reset()
-    try:
+    with undoing(lambda: compile_blocks.remove(model), lambda: patch.remove_kernels(model), torch._dynamo.reset):
         note = compile_blocks.install(model, backend=capture)
         got = [outs_and_grads(block, a, leaves(a)) for a in (_double_inputs(dev, lt, li) for lt, li in shapes)]
-    finally:
-        compile_blocks.remove(model)
-        patch.remove_kernels(model)
-        torch._dynamo.reset()
     # none of the fused ops' custom ops (the attention output's rearrange is a custom op of its own, and stays)
     fused_ops = [g.replace("torch.ops.flux_kernels.heads_to_tokens", "") for g in graphs]
     assert graphs and not any("torch.ops.flux_kernels." in g for g in fused_ops)

@@ -20,6 +20,7 @@ from flux_trainer.metrics.startup import (
     launch_env,
     process_started_at,
 )
+from tests.conftest import undoing
 
 needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux's /proc")
 
@@ -29,11 +30,8 @@ def test_process_start_time_of_a_child_started_now():
     before = time.time()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     after = time.time()
-    try:
+    with undoing(child.kill, child.wait):
         started = process_started_at(child.pid)
-    finally:
-        child.kill()
-        child.wait()
     assert started is not None and before - 0.05 <= started <= after + 0.05
 
 
