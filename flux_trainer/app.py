@@ -7,12 +7,13 @@ accelerate.yaml, env.json, runner.json, command.txt; the child's output goes to 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import shlex
-import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,10 @@ from flux_trainer.config.validate import (
     tier_gib,
     validate,
 )
+from flux_trainer.data import stage as data_stage
 from flux_trainer.launch import command as launch_command
 from flux_trainer.launch import device as launch_device
-from flux_trainer.launch import profiles
+from flux_trainer.launch import profiles, rundir
 from flux_trainer.sdscripts import checkout as sd_checkout
 from flux_trainer.sdscripts.parser_schema import check_training_keys, load_schema
 from flux_trainer.sdscripts.resume import SavedState, resume_decision
@@ -68,7 +70,8 @@ def resolve_memory(cfg: DictConfig, info) -> None:
     placeholders = OmegaConf.load(memory_dir / "auto.yaml")
     users = {k: v for k, v in cfg.memory.items() if k != "tier" and placeholders.get(k) != v}
     cfg.memory = OmegaConf.merge(cfg.memory, OmegaConf.load(memory_dir / f"{tier}.yaml"), users)
-    say(f"memory=auto: {info.name} has {info.vram_gib or 0:.0f} GiB -> memory={tier}")
+    has = f"has {info.vram_gib:.0f} GiB" if info.vram_gib and info.family != "cpu" else "is no GPU"
+    say(f"memory=auto: {info.name} {has} -> memory={tier}")
 
 
 def checkpoint_skip_spec(cfg: DictConfig) -> dict:
@@ -120,10 +123,15 @@ class Prepared:
     checkout: sd_checkout.Checkout | None
     random_preset: str | None
     env_lines: list[str]
+    lock: rundir.OutputLock | None = None  # runs/<output_name>/ held while the run is live
 
 
-def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = None, info=None) -> Prepared:
-    """Validate, resolve and write the run dir. Raises ConfigError (and leaves no run dir) on bad input."""
+def prepare(
+    cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = None, info=None, exclusive: bool = True
+) -> Prepared:
+    """Validate, resolve and write the run dir. Raises ConfigError (and leaves no run dir) on bad input.
+    `exclusive`: hold runs/<output_name>/ for the run (a second live run of the name is refused; sweep members,
+    whose run dirs are the sweep's, do not)."""
     info = info or launch_device.detect_device()
     for warning in validate(cfg, family=info.family, search_dirs=search_dirs):
         say(f"warning: {warning}")
@@ -148,34 +156,43 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
     if checkout is not None and (msg := sd_checkout.commit_warning(checkout)):
         say(f"warning: {msg}")
 
-    state = None
-    if cfg.resume == "auto":
-        decision = resume_decision(Path(cfg.logging.root), cfg.train.output_name, cfg.train.max_steps)
-        say(decision.sentence)
-        if decision.finished:
-            raise FinishedRun(decision.sentence)
-        state = decision.state
-    elif cfg.resume != "off":
-        state = SavedState(Path(cfg.resume).expanduser().resolve(), step=-1, final=False)  # step read by sd-scripts
-
-    if not cfg.dry_run:
-        preflight_doctor(cfg, info)
-    run_dir = run_dir.resolve()
-    paths = RunPaths(
-        run_dir=run_dir,
-        tokenizer_dir=tokenizer_dir(cfg),
-        sample_prompts=run_dir / "sample_prompts.txt" if cfg.sample.prompts else None,
-        resume_state=state.path if state is not None else None,
-        tracker_config=run_dir / "tracker.toml" if cfg.logging.tensorboard else None,
-    )
-    train_doc, dataset_doc = translate(cfg, paths)
-    problems = check_training_keys(train_doc.flat(), load_schema()["flags"])
-    if problems:
-        raise ConfigError(problems)
-
-    profile = profiles.environment_profile(info, os.environ, gpus=_gpus(cfg, info), cache_dir=cache_root())
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # every image and caption checked, then staged in the cache (sd-scripts' caches land there, not beside them)
+    staged_images, notes = data_stage.ready(cfg.dataset, cfg.model, cache_root(), int(cfg.train.batch_size))
+    for note in notes:
+        say(f"note: {note}")
+    runs_root = Path(cfg.logging.root).expanduser().absolute()
+    lock = rundir.lock_output(runs_root / cfg.train.output_name) if exclusive else None
+    run_dir, made = run_dir.resolve(), False
     try:
+        run_dir, made = rundir.claim_run_dir(run_dir, command=sys.argv), True
+        state = None
+        if cfg.resume == "auto":
+            decision = resume_decision(runs_root, cfg.train.output_name, cfg.train.max_steps)
+            for line in decision.skipped:
+                say(line)
+            say(decision.sentence)
+            if decision.finished:
+                raise FinishedRun(decision.sentence)
+            state = decision.state
+        elif cfg.resume != "off":
+            state = SavedState(Path(cfg.resume).expanduser().resolve(), step=-1, final=False)  # step read by sd-scripts
+
+        if not cfg.dry_run:
+            preflight_doctor(cfg, info)
+        paths = RunPaths(
+            run_dir=run_dir,
+            tokenizer_dir=tokenizer_dir(cfg),
+            sample_prompts=run_dir / "sample_prompts.txt" if cfg.sample.prompts else None,
+            resume_state=state.path if state is not None else None,
+            tracker_config=run_dir / "tracker.toml" if cfg.logging.tensorboard else None,
+            images=staged_images,
+        )
+        train_doc, dataset_doc = translate(cfg, paths)
+        problems = check_training_keys(train_doc.flat(), load_schema()["flags"])
+        if problems:
+            raise ConfigError(problems)
+
+        profile = profiles.environment_profile(info, os.environ, gpus=_gpus(cfg, info), cache_dir=cache_root())
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         train_toml, dataset_toml = run_dir / "sd_scripts.toml", run_dir / "dataset.toml"
         train_toml.write_text(train_doc.dumps(), encoding="utf-8")
@@ -187,14 +204,16 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
         if checkout is not None:
             from flux_trainer.sdscripts import live_check
 
-            problems = live_check.checked(
-                lambda: sd_checkout.import_sd_scripts(checkout.path),
-                checkout.path,
-                train_toml,
-                dataset_toml,
-                run_dir,
-                cache_root() / live_check.CACHE_FILE,
-            )
+            # what importing sd-scripts prints goes to the run's log, as all of sd-scripts' output does
+            with open(run_dir / "train.log", "a", encoding="utf-8") as log, _quietly(log):
+                problems = live_check.checked(
+                    lambda: sd_checkout.import_sd_scripts(checkout.path),
+                    checkout.path,
+                    train_toml,
+                    dataset_toml,
+                    run_dir,
+                    cache_root() / live_check.CACHE_FILE,
+                )
             if problems:
                 raise ConfigError(problems)
         accel_path = run_dir / "accelerate.yaml"
@@ -227,10 +246,13 @@ def prepare(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = 
         )
         (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
     except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        parents = (run_dir.parent, runs_root) if exclusive else ()
+        rundir.remove_refused(run_dir, made, parents)  # nothing of a refused run is left
+        if lock is not None:
+            lock.release()
         raise
     env = {**os.environ, **profile.env}
-    return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile))
+    return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile), lock)
 
 
 def preflight_doctor(cfg: DictConfig, info) -> None:
@@ -287,53 +309,114 @@ def _flops_options(cfg: DictConfig) -> dict:
     return {"flops_per_step": flops.total, "images_per_step": int(cfg.train.batch_size)}
 
 
-def train(cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = None, info=None) -> int:
+def train(
+    cfg: DictConfig, run_dir: Path, *, search_dirs: list[Path] | None = None, info=None, exclusive: bool = True
+) -> int:
     """Prepare the run dir and, unless dry_run, launch the training child. Returns the exit code."""
     began = time.time()
     try:
-        prepared = prepare(cfg, run_dir, search_dirs=search_dirs, info=info)
+        prepared = prepare(cfg, run_dir, search_dirs=search_dirs, info=info, exclusive=exclusive)
     except FinishedRun:
-        try:
-            run_dir.rmdir()  # Hydra made it; nothing to put in it
-        except OSError:
-            pass
-        return 0
-    say(f"run dir: {prepared.run_dir}")
+        return 0  # prepare removed the run dir: nothing to put in it
+    try:
+        return _launch(cfg, prepared, began, info)
+    finally:
+        if prepared.lock is not None:
+            prepared.lock.release()
+
+
+@contextlib.contextmanager
+def _quietly(log):
+    """File descriptors 1 and 2 (print, logging handlers made earlier, C code alike) to `log` for the block, unless
+    -v. Only where nothing else is writing: before the training child and its readers start."""
+    if _verbose():
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        yield
+    finally:  # the terminal back whatever happened; nothing here can fail after the dups above succeeded
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _verbose() -> bool:
+    return os.environ.get("FLUX_TRAIN_VERBOSE", "") not in ("", "0")
+
+
+def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
+    """The header, the training child (its output to train.log, one progress line on the terminal), the summary."""
     from flux_trainer.sweep import effective_batch_line
 
-    say(effective_batch_line(cfg, max(_gpus(cfg, info or launch_device.detect_device()), 1) * int(cfg.launcher.nodes)))
-    say("environment (env.json): " + "; ".join(prepared.env_lines))
+    info = info or launch_device.detect_device()
+    root = Path(cfg.logging.root).resolve()
+    say(f"run dir: {prepared.run_dir}")
+    steps = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.max_epochs} epochs"
+    batch = effective_batch_line(cfg, max(_gpus(cfg, info), 1) * int(cfg.launcher.nodes))
+    say(f"{cfg.model.name} on {info.name}: memory={cfg.memory.tier}, kernels={cfg.kernels.set}, {steps}; {batch}")
+    log_lines = ["environment (env.json): " + "; ".join(prepared.env_lines)]
     if cfg.dry_run:
+        say(log_lines[0])
         say("dry_run=true: wrote config.yaml, sd_scripts.toml, dataset.toml, command.txt; not launching")
         say(f"would run: {shlex.join(prepared.command)}")
         return 0
     if prepared.random_preset:
         from flux_trainer.sdscripts.random_model import ensure_random_model
 
-        device = "cuda" if (info or launch_device.detect_device()).family != "cpu" else "cpu"
+        device = "cuda" if info.family != "cpu" else "cpu"
         ensure_random_model(model_cache(cfg.model_cache), prepared.random_preset, device=device, log=say)
     from flux_trainer.launch.direct import direct_command
     from flux_trainer.launch.supervise import run_supervised
+    from flux_trainer.metrics.progress import ProgressView
     from flux_trainer.metrics.startup import launch_env
-    from flux_trainer.sdscripts.runner import child_exit_code
+    from flux_trainer.sdscripts.runner import child_exit_code, child_reason
 
-    say(f"TensorBoard: tensorboard --logdir {Path(cfg.logging.root).resolve()}")
+    say(f"TensorBoard: tensorboard --logdir {root}")
     log_path = prepared.run_dir / "train.log"
     command, env, via = prepared.command, prepared.env, "accelerate launch"
     if cfg.launcher.get("direct", True) and (direct := direct_command(command, env)) is not None:
         (command, env), via = direct, "process start"
-        say("one process: started with accelerate's environment, without its launcher process (launcher.direct)")
+        log_lines.append("one process: started with accelerate's environment, without its launcher (launcher.direct)")
         with open(prepared.run_dir / "command.txt", "a", encoding="utf-8") as f:
             f.write(f"# launcher.direct: the same process started as {shlex.join(command)} with accelerate's env\n")
+    verbose = _verbose()
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.writelines(f"[flux-train] {line}\n" for line in log_lines)
+    if verbose:
+        for line in log_lines:
+            say(line)
+    else:
+        say(f"training; sd-scripts' output goes to {log_path} (-v shows it here)")
+    view = ProgressView(echo=sys.stdout, tty=sys.stdout.isatty(), draw=not verbose)
     code = run_supervised(
         command,
         {**env, **launch_env(began, via=via)},  # when this command began and started the child: the start-up line
         log_path,
         memory_tier=cfg.memory.tier,
         exit_code=functools.partial(child_exit_code, prepared.run_dir),
+        pass_fds=() if prepared.lock is None else (prepared.lock.fd,),  # the child holds the name's lock too
+        graceful=via == "process start",  # one training process: Ctrl-C ends it after a step, with a state saved
+        reason=functools.partial(child_reason, prepared.run_dir),
+        view=view,
+        quiet=not verbose,
     )
     if code == 0:
         final = prepared.run_dir / f"{cfg.train.output_name}.safetensors"
-        say(f"done. LoRA: {final if final.is_file() else '(none written)'}")
-        say(f"TensorBoard logs: {prepared.run_dir / 'tb'}  (tensorboard --logdir {Path(cfg.logging.root).resolve()})")
+        done = view.summary()
+        say(f"done in {_took(time.time() - began)}" + (f": {done}" if done else ""))
+        say(f"LoRA: {final if final.is_file() else '(none written)'}")
+        say(f"log: {log_path}; TensorBoard: tensorboard --logdir {root}")
     return code
+
+
+def _took(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"

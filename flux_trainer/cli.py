@@ -61,35 +61,61 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def preflight(overrides: list[str], search_dirs: list[Path]) -> None:
-    """Compose and validate before Hydra creates a run dir, so bad input leaves nothing behind."""
+def preflight(
+    overrides: list[str], search_dirs: list[Path], *, config_path: str | None = None, config_name: str | None = None
+):
+    """Compose and check before Hydra creates a run dir, so bad input leaves nothing behind: every refusal is one
+    line naming the override or file and the fix (flux_trainer.config.refusals). Returns the composed config."""
+    import yaml
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from flux_trainer.cli_help import group_options
+    from flux_trainer.config import refusals
     from flux_trainer.config.compose import compose_run
+    from flux_trainer.config.schema import RunConfig
     from flux_trainer.config.validate import no_dataset_message
 
+    tree = refusals.schema_keys(RunConfig)
     try:
-        cfg = compose_run(overrides, search_dirs)
+        cfg = compose_run(overrides, search_dirs, config_path=config_path, config_name=config_name)
+    except yaml.YAMLError as exc:
+        raise ConfigError(refusals.yaml_problem(exc)) from exc
     except (HydraException, OmegaConfBaseException) as exc:
-        text = str(exc).strip().splitlines()[0]
-        if text.startswith("Error merging override") and exc.__cause__ is not None:  # the cause says why
-            text += ": " + str(exc.__cause__).strip().splitlines()[0]
-        if m := re.search(r"Could not find '([\w/-]+)/([^'/]+)'", text):
-            group, option = m.groups()
-            found = group_options(group, search_dirs)
-            if group.startswith("hydra/"):  # Hydra's own options and its plugins' live in the ConfigStore
-                found = sorted({*found, *_stored_options(group)})
-            text = f"{group}={option}: no such {group} config; choose one of: {', '.join(found) or 'none found'}"
-            if group == "dataset":
-                text += f" (in {', '.join(str(d / 'dataset') for d in search_dirs) or './configs/dataset'}); "
-                text += "create one with `flux-train dataset init NAME --images DIR`"
-        raise ConfigError(text) from exc
-    from omegaconf import OmegaConf
-
+        found = refusals.find_yaml_error(overrides, search_dirs, refusals.chosen_groups(overrides))
+        raise ConfigError(found or _composition_problem(exc, overrides, search_dirs, tree)) from exc
     if OmegaConf.is_missing(cfg, "dataset"):
         raise ConfigError(no_dataset_message(search_dirs))
+    if unknown := refusals.unknown_added_keys(cfg, RunConfig):
+        raise ConfigError([refusals.unknown_key_message(k, tree) for k in unknown])
+    if missing := sorted(OmegaConf.missing_keys(cfg)):
+        option = refusals.chosen_groups(overrides).get("dataset")
+        files = [d / "dataset" / f"{option}.yaml" for d in search_dirs if option]
+        raise ConfigError(refusals.missing_keys_message(missing, next((f for f in files if f.is_file()), None)))
+    if problem := refusals.output_name_problem(cfg.train.output_name):
+        raise ConfigError(problem)
+    return cfg
+
+
+def _composition_problem(exc: BaseException, overrides: list[str], search_dirs: list[Path], tree: dict) -> str:
+    """The one line for a composition error: a group option that does not exist lists those that do."""
+    from flux_trainer.cli_help import group_options
+    from flux_trainer.config import refusals
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    m = re.search(r"Could not find '([\w/-]+?)/?([^'/]*)'", text)
+    if m is None:
+        return refusals.explain_composition_error(exc, overrides, tree)
+    group, option = m.groups()
+    found = group_options(group, search_dirs)
+    if group.startswith("hydra/"):  # Hydra's own options and its plugins' live in the ConfigStore
+        found = sorted({*found, *_stored_options(group)})
+    choose = f"choose one of: {', '.join(found) or 'none found'}"
+    text = f"{group}={option}: no such {group} config; {choose}" if option else f"{group}=: no option named; {choose}"
+    if group == "dataset":
+        text += f" (in {', '.join(str(d / 'dataset') for d in search_dirs) or './configs/dataset'}); "
+        text += "create one with `flux-train dataset init NAME --images DIR`"
+    return text
 
 
 def _stored_options(group: str) -> list[str]:
@@ -103,19 +129,85 @@ def _stored_options(group: str) -> list[str]:
         return []
 
 
-def run_training(overrides: list[str], search_dirs: list[Path] | None = None) -> int:
+# Hydra's own command-line flags (hydra/_internal/utils.py get_args_parser): those that take a value, and those that
+# show something (config, information, help, completion) instead of running the job.
+VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+               "--experimental-rerun")  # fmt: skip
+INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+SHOW_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc", "--version")
+
+
+def split_args(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
+    """Hydra's flags (name -> value, None for a switch) and the overrides, as Hydra's own parser would split them."""
+    flags: dict[str, str | None] = {}
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if arg.startswith("-") and eq and name in VALUE_FLAGS + ("--info", "-i"):
+            flags[name] = value
+        elif arg in VALUE_FLAGS and i + 1 < len(argv):
+            flags[arg], i = argv[i + 1], i + 1
+        elif arg in ("--info", "-i"):
+            topic = argv[i + 1] if i + 1 < len(argv) and argv[i + 1] in INFO_TOPICS else None
+            flags[arg], i = topic, i + (topic is not None)
+        elif arg.startswith("-"):
+            flags[arg] = None
+        else:
+            overrides.append(arg)
+        i += 1
+    return flags, overrides
+
+
+def _flag(flags: dict[str, str | None], *names: str) -> str | None:
+    return next((flags[n] for n in names if n in flags), None)
+
+
+def run_training(argv: list[str], search_dirs: list[Path] | None = None) -> int:
+    """Training, a sweep, or one of Hydra's own modes (`--cfg job`, `--info`, `--hydra-help` ...), which show things
+    and run nothing, so they skip the checks a run gets. `--config-dir DIR` adds DIR to the user's config folders;
+    `-cp DIR` / `-cn NAME` pick another primary config, which the checks compose too."""
     from flux_trainer.config.paths import user_config_dirs
     from flux_trainer.sweep import check_launcher
 
-    search_dirs = [d for d in (search_dirs or user_config_dirs()) if d.is_dir()]
-    multirun = any(a in MULTIRUN_FLAGS for a in overrides)
-    check_launcher([a for a in overrides if not a.startswith("-")], multirun)
-    if multirun and all(a in MULTIRUN_FLAGS or not a.startswith("-") for a in overrides):
-        return run_sweep(overrides, search_dirs)
-    if multirun:  # Hydra's own modes (--cfg job, --info, ...) show things and run nothing: no summary to make
-        return hydra_run(overrides, search_dirs)
-    preflight(overrides, search_dirs)
-    return hydra_run(overrides, search_dirs)
+    flags, overrides = split_args(argv)
+    search_dirs = list(search_dirs or user_config_dirs())
+    if config_dir := _flag(flags, "--config-dir", "-cd"):
+        search_dirs.insert(0, Path(config_dir).expanduser().absolute())
+    search_dirs = [d for d in search_dirs if d.is_dir()]
+    primary = _flag(flags, "--config-path", "-cp")
+    if primary is not None:  # Hydra reads a relative one against its own module: give it the one the user meant
+        primary = str(Path(primary).expanduser().absolute())
+        argv = _replace_flag(argv, ("--config-path", "-cp"), primary)
+    name = _flag(flags, "--config-name", "-cn")
+    if any(f in flags for f in SHOW_FLAGS):
+        try:
+            return hydra_run(argv, search_dirs)
+        except ValueError as exc:  # Hydra's own refusal of a combination ("Only one of --run, --multirun, --cfg ...")
+            raise ConfigError(f"{exc} (Hydra's own flags)") from exc
+    multirun = any(f in flags for f in MULTIRUN_FLAGS)
+    check_launcher(overrides, multirun)
+    if multirun:
+        return run_sweep(argv, search_dirs)
+    preflight(overrides, search_dirs, config_path=primary, config_name=name)
+    return hydra_run(argv, search_dirs)
+
+
+def _replace_flag(argv: list[str], names: tuple[str, ...], value: str) -> list[str]:
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg in names:
+            out.append(f"{arg}={value}")
+            skip = i + 1 < len(argv)
+        elif arg.partition("=")[0] in names and "=" in arg:
+            out.append(f"{arg.partition('=')[0]}={value}")
+        else:
+            out.append(arg)
+    return out
 
 
 def run_sweep(overrides: list[str], search_dirs: list[Path]) -> int:
@@ -127,7 +219,7 @@ def run_sweep(overrides: list[str], search_dirs: list[Path]) -> int:
     """
     from flux_trainer import sweep
 
-    members, hydra_args = sweep.parse([a for a in overrides if not a.startswith("-")])
+    members, hydra_args = sweep.parse(split_args(overrides)[1])
     checked = sweep.covering(members)
     problems: dict[str, list[sweep.Member]] = {}
     for member in checked:
@@ -166,8 +258,11 @@ def hydra_run(overrides: list[str], search_dirs: list[Path]) -> int:
     global _exit_code
     _exit_code = 0
     task = hydra.main(config_path=str(shipped_config_dir()), config_name="config", version_base="1.3")(_hydra_task)
+    flags, plain = split_args(overrides)
+    tokens = [t for name, value in flags.items() for t in ([name] if value is None else [name, value])]
     saved = sys.argv
-    sys.argv = [saved[0] if saved else "flux-train", *overrides, *hydra_overrides(search_dirs)]
+    # overrides first, flags last: argparse takes no positional after an option with a value (`--cfg job x=1`)
+    sys.argv = [saved[0] if saved else "flux-train", *plain, *hydra_overrides(search_dirs), *tokens]
     try:
         task()
     finally:
@@ -184,6 +279,7 @@ def _hydra_task(cfg) -> int:
     from flux_trainer.app import train
     from flux_trainer.config.compose import register
     from flux_trainer.config.paths import user_config_dirs
+    from flux_trainer.launch.rundir import remove_refused
 
     global _exit_code
     register()  # a submitit member starts in a fresh process: our resolvers are not registered there yet
@@ -192,16 +288,18 @@ def _hydra_task(cfg) -> int:
     member = hydra_cfg.job.num if hydra_cfg.mode == RunMode.MULTIRUN else None
     prefix = "" if member is None else f"sweep member #{member}: "
     error = None
+    # a refused run leaves nothing: the dir Hydra made, and its output_name folder and runs root if left empty
+    parents = () if member is not None else (run_dir.parent, Path(str(cfg.logging.root)).expanduser().absolute())
     try:
-        code = train(cfg, run_dir, search_dirs=[d for d in user_config_dirs() if d.is_dir()])
+        code = train(cfg, run_dir, search_dirs=[d for d in user_config_dirs() if d.is_dir()], exclusive=member is None)
     except ConfigError as exc:
-        _remove_if_empty(run_dir)
+        remove_refused(run_dir, made=False, parents=parents)
         code, error = fail(exc, exc.exit_code, prefix), "; ".join(exc.problems)
     except KeyboardInterrupt:
         print("flux-train: interrupted", file=sys.stderr)
         code, error = 130, "interrupted"
     except Exception as exc:  # noqa: BLE001 - one line for the user; the traceback with -v
-        _remove_if_empty(run_dir)
+        remove_refused(run_dir, made=False, parents=parents)
         code, error = fail(exc, 1, prefix), f"{type(exc).__name__}: {' '.join(str(exc).split())}"
     if member is not None:
         from flux_trainer.sweep import record_member
@@ -214,13 +312,6 @@ def _hydra_task(cfg) -> int:
             raise KeyboardInterrupt  # Ctrl-C stops the whole sweep, not just this member
     _exit_code = _exit_code or code
     return code
-
-
-def _remove_if_empty(run_dir: Path) -> None:
-    try:
-        run_dir.rmdir()
-    except OSError:
-        pass
 
 
 if __name__ == "__main__":

@@ -44,8 +44,20 @@ def group_options(group: str, user_dirs: list[Path] | None = None) -> list[str]:
 
 def help_text() -> str:
     lines = [
-        "usage: flux-train [+dataset=NAME] [GROUP=OPTION ...] [KEY=VALUE ...]",
-        "       flux-train {dataset init,demo,setup,runs} ...",
+        "usage: flux-train [+dataset=NAME] [GROUP=OPTION ...] [KEY=VALUE ...] [-m] [-v]",
+        "       flux-train {dataset init,demo,setup,runs,doctor,bench} ...",
+        "       flux-train [overrides] --cfg job|hydra|all [--resolve] | --info [TOPIC] | --hydra-help",
+        "",
+        "subcommands:",
+        "  dataset init NAME --images DIR   check a folder of images, write configs/dataset/NAME.yaml",
+        "  demo                             train a tiny random-weight FLUX on generated images (no download)",
+        "  setup [--models]                 get sd-scripts at the pinned commit (and the model files)",
+        "  runs [ROOT]                      list runs and sweep members: steps, loss, s/step, peak VRAM",
+        "  doctor [overrides] [--speed]     why a setup will fail or crawl, with the fix",
+        "  bench --cases ... [--baseline]   s/step and memory against plain sd-scripts",
+        "",
+        "Hydra's own flags work as Hydra documents them: --cfg, --resolve, --info, --hydra-help, -c, -cp/-cn,",
+        "--config-dir (adds a folder of your own configs), -m (a sweep).",
         "",
         "config groups:",
     ]

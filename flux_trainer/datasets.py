@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flux_trainer.config import ConfigError
-from flux_trainer.config.validate import IMAGE_EXTENSIONS, scan_dataset
+from flux_trainer.data.check import IMAGE_EXTENSIONS, caption_of
 
 
 @dataclass
@@ -17,8 +17,10 @@ class FolderReport:
     by_format: dict[str, int]
     captioned: int
     uncaptioned: list[str]
-    sizes: Counter = field(default_factory=Counter)  # (w, h) -> count
-    unreadable: list[str] = field(default_factory=list)
+    sizes: Counter = field(default_factory=Counter)  # (w, h) -> count, as shown (EXIF rotation applied)
+    unreadable: list[str] = field(default_factory=list)  # names of files that cannot be trained on
+    problems: list[str] = field(default_factory=list)  # one line per such file, saying why
+    notes: list[str] = field(default_factory=list)  # what is done for the user (rotated photos, recoded captions)
 
     @property
     def total(self) -> int:
@@ -39,29 +41,31 @@ class FolderReport:
                 f"most common {common}"
             )
         if self.unreadable:
-            lines.append(f"  unreadable: {len(self.unreadable)} ({', '.join(self.unreadable[:5])})")
+            lines.append(f"  cannot be trained on: {len(self.unreadable)} ({', '.join(self.unreadable[:5])})")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 def describe_folder(folder: Path) -> FolderReport:
-    """Counts by format, captions found and missing, image sizes, files that do not open as images."""
-    from PIL import Image
+    """Counts by format, captions found and missing, image sizes, and every file that cannot be trained on (the
+    same check a launch makes: flux_trainer.data.check)."""
+    from flux_trainer.config.paths import cache_root
+    from flux_trainer.data.check import check_folder
 
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"--images {folder}: no such folder")
-    scan = scan_dataset(folder)
-    report = FolderReport(folder.resolve(), dict(scan.images), scan.captioned, scan.uncaptioned)
-    for path in sorted(folder.iterdir()):
-        if path.suffix.lower() not in IMAGE_EXTENSIONS or not path.is_file():
-            continue
-        try:
-            with Image.open(path) as im:
-                im.verify()
-            with Image.open(path) as im:
-                report.sizes[im.size] += 1
-        except Exception:  # noqa: BLE001 - PIL raises many types for broken files
-            report.unreadable.append(path.name)
+    check = check_folder(folder, ".txt", cache_root())
+    by_format: Counter = Counter(Path(n).suffix.lower() for n in check.images)
+    usable = check.usable()
+    captioned = [n for n in usable if caption_of(check, n, ".txt")]
+    report = FolderReport(check.folder, dict(by_format), len(captioned), [n for n in usable if n not in captioned])
+    for name in usable:
+        r = check.images[name]
+        report.sizes[(r.width, r.height)] += 1
+    report.unreadable = sorted({*(n for n, r in check.images.items() if r.problem), *check.broken_links})
+    report.problems = check.problems()
+    report.notes = check.notes()
     return report
 
 
@@ -85,11 +89,10 @@ def write_dataset_config(
         problems.append(f"dataset name {name!r}: use letters, digits, '_' and '-'")
     if report.total == 0:
         problems.append(f"--images {report.folder}: no images ({' '.join(IMAGE_EXTENSIONS)})")
-    if report.unreadable:
-        problems.append(
-            f"--images {report.folder}: {len(report.unreadable)} files do not open as images "
-            f"({', '.join(report.unreadable[:5])}); fix or remove them"
-        )
+    if report.problems:
+        problems += report.problems[:20]
+        more = f" ({len(report.problems) - 20} more not listed)" if len(report.problems) > 20 else ""
+        problems.append(f"--images {report.folder}: fix or remove the {len(report.problems)} file(s) above{more}")
     if report.uncaptioned and not trigger:
         problems.append(f"{len(report.uncaptioned)} images have no .txt caption; add captions or pass --trigger WORD")
     if resolution % 16 or resolution < 64:

@@ -2,9 +2,9 @@
 backward and is compared with a reference. One that is installed but raises, or gives wrong numbers, is a FAIL:
 silently skipping it is how a user ends up with NaN losses or a run at half speed without knowing why.
 
-Attention goes through `flux_kernels.attention.probe_attention` (fp32 math reference, the same verdict training's
-attention choice reaches) at a FLUX shape: 24 heads x (4096 image + 512 text) tokens x 128, bf16. Our other
-kernels go through `flux_kernels.registry.probe`, the probe `kernels=auto` runs before installing them.
+Attention goes through `flux_kernels.patches.attention.probe.probe_attention` (fp32 math reference, the same verdict
+training's attention choice reaches) at a FLUX shape: 24 heads x (4096 image + 512 text) tokens x 128, bf16. Our other
+kernels go through `flux_kernels.runtime.registry.probe`, the probe `kernels=auto` runs before installing them.
 flux_kernels is imported lazily, and an API that differs from what is expected is reported as a warning row,
 never raised: the doctor must not crash on the thing it is diagnosing.
 """
@@ -60,16 +60,17 @@ def attention_checks(
     try:
         import torch
 
-        fk_attention = importlib.import_module("flux_kernels.attention")
+        fk_probe = importlib.import_module("flux_kernels.patches.attention.probe")
+        fk_backends = importlib.import_module("flux_kernels.patches.attention.backends")
 
-        probe_attention, unavailable = fk_attention.probe_attention, fk_attention.unavailable
-        candidates = dict(fk_attention.BACKENDS if backends is None else backends)
+        probe_attention, unavailable = fk_probe.probe_attention, fk_probe.unavailable
+        candidates = dict(fk_backends.BACKENDS if backends is None else backends)
     except Exception as e:  # noqa: BLE001 - a half-finished or changed flux_kernels must not crash the doctor
         return [
             CheckResult(
                 "attention",
                 WARN,
-                f"flux_kernels.attention unusable ({one_line(e)}): backends not checked",
+                f"flux_kernels.patches.attention unusable ({one_line(e)}): backends not checked",
                 "reinstall flux-train (pip install -e .)",
                 GROUP_ATTENTION,
             )
@@ -137,16 +138,16 @@ def gradient_layout_check(
 ) -> CheckResult:
     """Whether a backend's backward stays right when, at one shape, the incoming gradient comes in another layout
     than in its first backward (torch 2.11 + cuDNN 9.19 keep the first: wrong q/k/v gradients, silently).
-    flux-train's blocks always hand an SDPA backend's backward one layout (flux_kernels.attention.heads_to_tokens;
-    `cudnn_fa4` uses FlashAttention-4's backward, which takes any), so a warning here is about other code on this
-    stack, not flux-train's training."""
+    flux-train's blocks always hand an SDPA backend's backward one layout
+    (flux_kernels.patches.attention.backends.heads_to_tokens; `cudnn_fa4` uses FlashAttention-4's backward, which
+    takes any), so a warning here is about other code on this stack, not flux-train's training."""
     check = f"attention: {name} gradient layout"
     try:
         import torch
 
-        fk_attention = importlib.import_module("flux_kernels.attention")
+        fk_probe = importlib.import_module("flux_kernels.patches.attention.probe")
         dtype = torch.bfloat16 if dtype is None else dtype
-        err = fk_attention.gradient_layout_error(name, device, dtype=dtype, backends=backends)
+        err = fk_probe.gradient_layout_error(name, device, dtype=dtype, backends=backends)
     except Exception as e:  # noqa: BLE001 - the check must not crash the doctor
         if "No available kernel" in str(e):
             return CheckResult(check, SKIP, f"PyTorch has no {name} kernel here ({one_line(e)})", "", GROUP_ATTENTION)
@@ -174,7 +175,7 @@ def kernel_checks(device: Any = "cuda", *, registry: Mapping[str, Any] | None = 
     """One row per flux_kernels kernel (attention choice aside, covered above): skip where it does not apply, else
     its probe (fast vs reference, forward and backward) decides pass or fail."""
     try:
-        fk_registry = importlib.import_module("flux_kernels.registry")
+        fk_registry = importlib.import_module("flux_kernels.runtime.registry")
         probe = fk_registry.probe
         specs = dict(fk_registry.REGISTRY if registry is None else registry)
     except Exception as e:  # noqa: BLE001
@@ -182,7 +183,7 @@ def kernel_checks(device: Any = "cuda", *, registry: Mapping[str, Any] | None = 
             CheckResult(
                 "kernels",
                 WARN,
-                f"flux_kernels.registry unusable ({one_line(e)}): kernels not checked",
+                f"flux_kernels.runtime.registry unusable ({one_line(e)}): kernels not checked",
                 "reinstall flux-train (pip install -e .)",
                 GROUP_KERNELS,
             )

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from flux_trainer.config.validate import IMAGE_EXTENSIONS
+from flux_trainer.data.check import IMAGE_EXTENSIONS
 from flux_trainer.doctor_core import FAIL, PASS, SKIP, WARN, CheckResult, gib, one_line
 
 GROUP = "disk"

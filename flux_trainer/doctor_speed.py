@@ -31,7 +31,7 @@ def _time_ms(fn, warmup: int, reps: int) -> float:
     """Median milliseconds of `fn` with CUDA events (the GPU's own clock: no host-side launch overhead)."""
     import torch
 
-    from flux_kernels.timing import median_ms
+    from flux_kernels.runtime.timing import median_ms
 
     return median_ms(fn, torch.device("cuda"), warmup, reps)
 

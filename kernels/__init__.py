@@ -1,8 +1,9 @@
 """flux_kernels: fast ops for FLUX training with a plain-PyTorch reference beside each, probes and fallback.
 Stands alone: never imports flux_trainer or sd-scripts. Triton is imported only when a fast op first runs.
 
-    from flux_kernels.patch import apply_kernels, remove_kernels
-    from flux_kernels.registry import KernelError, select
+    from flux_kernels.patches.patch import apply_kernels, remove_kernels
+    from flux_kernels.runtime.errors import KernelError
+    from flux_kernels.runtime.registry import select
 
     selection = select("auto", accelerator.device)   # or "off", ["qk_norm_rope", ...] / "a,b", "auto,a,-b"
     installed = apply_kernels(flux, selection)        # patches the built model's blocks; remove_kernels undoes it
@@ -18,26 +19,34 @@ checkpointed compiled blocks keep for backward waits in page-locked host memory;
 fp8_matmul (only on an fp8 base) + lora_fold (widening and narrowing layers, without checkpointing) + lora_grad_norms
 (where a LoRA is applied) + prodigy_step or adamw_step (whichever the optimizer is) + the all-reduce pair +
 selective_checkpoint (where blocks are checkpointed) + compile_blocks; the Triton ones are opt-in (registry `in_auto`);
-"auto,name,-other" adds to and takes from auto (`request`). Modules: `reference` (sd-scripts' math), `fast` (Triton
-behind autograd.Function), `fp8` (fp8 matmuls as custom ops; `tl_transpose` its weight transpose), `lora_fold`,
-`lora_norms`, `selective_checkpoint`, `compile_blocks` (with `graph_record`, CUDA graph recording without cudagraph
-trees' quadratic alias search), `activation_offload`, `attention` (backend probe and choice; `attention_fa4` its cuDNN +
-FlashAttention-4 backend), `registry` (KernelSpec, probe, select), `patch` (installing into a built model), `device`
-(what device is this).
+"auto,name,-other" adds to and takes from auto (`runtime.request`).
+
+Layers, one folder each (imports go from runtime's leaves up to its registry; no module imports one that imports it):
+  ops/      a fast kernel beside its plain-PyTorch reference: `reference` (sd-scripts' math), `fast` (Triton behind
+            autograd.Function; `_launch` and the `tl_*` kernels), the optimizer's and the trainer's steps (`prodigy`,
+            `adamw`, `single_process`, `coalesced_reduce`)
+  patches/  what changes sd-scripts' model: `patch` (installing into a built model; `blocks` finds the blocks,
+            `verify` checks them), `attention` (backends, probe and choice; `fa4` its cuDNN + FlashAttention-4
+            backend), `single_qkv`, `fp8` (fp8 matmuls as custom ops), `lora_fold`, `lora_norms`, `prologue`,
+            `compile_blocks` (with `graph_record`: CUDA graph recording without cudagraph trees' quadratic search)
+  memory/   what checkpointed blocks keep, and where: `selective_checkpoint`, `activation_offload`, `l2` (not installed)
+  runtime/  `registry` (KernelSpec, probe, select: the one table of kernels; `applies` and `examples` its conditions
+            and probe inputs), `request` (kernels.set, without torch), `errors`, `device` (what device is this),
+            `timing`
 """
 
 _EXPORTS = {
-    "select": "registry",
-    "probe": "registry",
-    "REGISTRY": "registry",
-    "KernelSpec": "registry",
-    "KernelError": "patch",
-    "Selection": "registry",
-    "apply_kernels": "patch",
-    "remove_kernels": "patch",
-    "probe_attention": "attention",
-    "device_info": "device",
-    "unchecked": "registry",
+    "select": "runtime.registry",
+    "probe": "runtime.registry",
+    "REGISTRY": "runtime.registry",
+    "KernelSpec": "runtime.registry",
+    "KernelError": "runtime.errors",
+    "Selection": "runtime.registry",
+    "apply_kernels": "patches.patch",
+    "remove_kernels": "patches.patch",
+    "probe_attention": "patches.attention.probe",
+    "device_info": "runtime.device",
+    "unchecked": "runtime.registry",
 }
 
 

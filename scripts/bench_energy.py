@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flux_kernels.timing import sustained
+from flux_kernels.runtime.timing import sustained
 from flux_trainer.metrics.flops import flux_step_flops
 from flux_trainer.metrics.nvml import NvmlReader
 
@@ -82,7 +82,7 @@ def workloads(dev: str = "cuda") -> list[tuple[str, str, float, Callable[[], obj
     try:
         import flash_attn.cute  # noqa: F401
 
-        from flux_kernels.attention_fa4 import cudnn_fa4
+        from flux_kernels.patches.attention.fa4 import cudnn_fa4
 
         def fa4():
             torch.autograd.grad(cudnn_fa4(q, kk, v), (q, kk, v), do)

@@ -9,8 +9,8 @@ output and log-sum-exp reused), checks each one's gradients against the default 
 
     python scripts/bench_fa4_tiles.py --out tiles.json            # needs flash-attn-4 and an sm90 GPU
 
-Nothing installs a configuration: a clear winner would go into flux_kernels.attention_fa4 with its measurement. On
-the H200 (2026-11-26, README) the default was the fastest of the three that built (1.138 ms against 1.150 and 1.372).
+Nothing installs a configuration: a clear winner would go into flux_kernels.patches.attention.fa4 with its measurement.
+On the H200 (2026-11-26, README) the default was the fastest of the three that built (1.138 ms against 1.150 and 1.372).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from flash_attn.cute import interface
 
-    from flux_kernels.attention_fa4 import fa4_attention_backward
+    from flux_kernels.patches.attention.fa4 import fa4_attention_backward
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (1, ns.heads, ns.tokens, 128)

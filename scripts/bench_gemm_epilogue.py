@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flux_kernels.reference import rel_l2_err
-from flux_kernels.timing import cold_l2_ms
+from flux_kernels.ops.reference import rel_l2_err
+from flux_kernels.runtime.timing import cold_l2_ms
 
 SHAPES = {"img_mlp.0": (4096, 3072, 12288), "single linear1, MLP part": (4608, 3072, 12288)}  # tokens, in, out
 
@@ -221,7 +221,7 @@ def missing() -> str | None:
 def measure(variant: tuple, flops: int, reps: int, where: dict, timer=None) -> dict:
     """One table row: the variant's error against what it is compared with, its median time and rate, or why it
     failed (a variant that fails is listed with its error). `timer(fn)` instead of the cold-L2 median: a dict with
-    "ms" and, where it has them, "j" (joules a call) and "w" (flux_kernels.timing.sustained)."""
+    "ms" and, where it has them, "j" (joules a call) and "w" (flux_kernels.runtime.timing.sustained)."""
     label, fn, want = variant
     row = {**where, "variant": label}
     try:
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 def projections(quack, gen: torch.Generator, ns: argparse.Namespace) -> int:
     from quack.gemm_config import GemmConfig
 
-    from flux_kernels.timing import sustained
+    from flux_kernels.runtime.timing import sustained
 
     configs = quack_configs(GemmConfig) if ns.configs else []
     timer = None

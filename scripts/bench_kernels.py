@@ -17,7 +17,7 @@ With --single-qkv, the single block's linear1 gradient (q, k, v's and GELU's par
 tokens: the Triton kernels for every column against GELU's part compiled by inductor.
 With --prodigy, one Prodigy optimizer step over FLUX's 608 LoRA tensors: prodigyopt's against flux_kernels', with
 its flat buffers and with multi-tensor ops only.
-With --l2, one compiled double and single block without and with an L2 persistence window (flux_kernels.l2) over
+With --l2, one compiled double and single block without and with an L2 persistence window (flux_kernels.memory.l2) over
 the input activation (hit ratio 1 and 0.5) or a weight: does pinning them in L2 pay (GPU time against none)?
 With --blocks, one double and one single block at full size in four configurations (sd-scripts as is, patched
 with the kernels, compiled, compiled + kernels), installed as in training (verified on tiny inputs first): wall
@@ -37,19 +37,13 @@ from pathlib import Path
 
 import torch
 
-from flux_kernels import patch, reference
-from flux_kernels.attention import library_versions, probe_attention
-from flux_kernels.device import device_info
-from flux_kernels.registry import (
-    REGISTRY,
-    TOLERANCE,
-    gated_example,
-    gated_modulate_example,
-    modulate_example,
-    qk_example,
-    unchecked,
-)
-from flux_kernels.timing import median_ms
+from flux_kernels.ops import reference
+from flux_kernels.patches import patch
+from flux_kernels.patches.attention.probe import library_versions, probe_attention
+from flux_kernels.runtime.device import device_info
+from flux_kernels.runtime.examples import gated_example, gated_modulate_example, modulate_example, qk_example
+from flux_kernels.runtime.registry import REGISTRY, TOLERANCE, unchecked
+from flux_kernels.runtime.timing import median_ms
 
 OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate")
 BLOCK_KERNELS = ("attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate")
@@ -77,9 +71,9 @@ def gpu_ms(fn, dev: torch.device, reps: int) -> float | None:
 
 
 def saved_and_peak(fn, args, dev: torch.device, exclude=()) -> tuple[float, float | None]:
-    """(MiB kept for backward by one forward of fn(*args) (flux_kernels.reference.saved_bytes: parameters, inputs and
-    `exclude` not counted), MiB of peak memory of a forward+backward above what was allocated before)."""
-    from flux_kernels.reference import saved_bytes
+    """(MiB kept for backward by one forward of fn(*args) (flux_kernels.ops.reference.saved_bytes: parameters, inputs
+    and `exclude` not counted), MiB of peak memory of a forward+backward above what was allocated before)."""
+    from flux_kernels.ops.reference import saved_bytes
 
     saved = saved_bytes(fn, args, also_skip=exclude) / 2**20
     if dev.type != "cuda":
@@ -181,7 +175,7 @@ FP8_SHAPES = {  # (tokens M, in K, out N) of the FLUX.1 linears at 1024^2, batch
 def bench_fp8(dev, warmup, reps, tiny: bool, compiled: bool = True) -> list[dict]:
     """One frozen Linear, forward + input gradient (4*M*K*N FLOP), four ways: a bf16 weight (a bf16 base), the
     fp8 weight upcast per call (sd-scripts' fp8_base), fp8_matmul eager and compiled (quantisation fused)."""
-    from flux_kernels import fp8
+    from flux_kernels.patches import fp8
 
     rows = []
     shapes = {"tiny": (64, 256, 512)} if tiny else FP8_SHAPES
@@ -246,7 +240,7 @@ class _HandLora(torch.autograd.Function):
 
 def _lora_variants(w: torch.Tensor, bias: torch.Tensor, a0: torch.Tensor, b0: torch.Tensor) -> dict:
     """The five ways bench_lora times, as functions of (x, a, b), each followed by the GELU a FLUX block has there."""
-    from flux_kernels import lora_fold
+    from flux_kernels.patches import lora_fold
 
     f, (n, k) = torch.nn.functional, w.shape
     wb, wa = torch.cat([w, b0], dim=1), torch.cat([w, a0], dim=0)
@@ -302,7 +296,7 @@ def _lora_row(name: str, shape: tuple, dev, dtype, warmup: int, reps: int, compi
 def bench_lora(dev, warmup, reps, tiny: bool, compiled: bool = True, rank: int = 16) -> list[dict]:
     """One FLUX Linear with a LoRA (r16, scale 1), a GELU after it as in the blocks, forward + backward (input and
     LoRA gradients), five ways: the frozen Linear alone (the floor), sd-scripts' LoRA (frozen + up(down(x)) * s),
-    the LoRA folded into the frozen GEMM (flux_kernels.lora_fold: B beside W, or A below W) and a hand-written
+    the LoRA folded into the frozen GEMM (flux_kernels.patches.lora_fold: B beside W, or A below W) and a hand-written
     backward (_HandLora); GPU ms
     each, the error against sd-scripts' form, and a last row summing each over one step's layers of these shapes."""
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -318,7 +312,7 @@ def bench_lora(dev, warmup, reps, tiny: bool, compiled: bool = True, rank: int =
 def _gelu_then(weight, quantize_in_graph: bool | None):
     """torch.compile'd GELU followed by the frozen Linear: bf16 (None), or fp8 with the activation quantised in the
     graph or inside the op (fp8.QUANTIZE_IN_GRAPH set for each call, so each compiled variant keeps its own)."""
-    from flux_kernels import fp8
+    from flux_kernels.patches import fp8
 
     def f(x):
         h = torch.nn.functional.gelu(x, approximate="tanh")
@@ -354,7 +348,7 @@ def bench_lora_norms(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict
     """The LoRA gradient row norms sd-scripts computes after every backward: its weight-sized product under
     autocast (what LoRAModule.update_grad_norms does) against flux_kernels' Gram-matrix version, per weight shape
     and summed over FLUX's 304 modules (one step); errors against the float64 product."""
-    from flux_kernels import lora_norms
+    from flux_kernels.patches import lora_norms
 
     def sd_scripts_way(up, down, d_up, d_down, scale):
         with torch.autocast(dev.type):
@@ -419,8 +413,9 @@ def bench_single_qkv(dev, warmup, reps, tiny: bool) -> list[dict]:
     (the path elsewhere), both under torch.compile as the blocks run them. GB/s from the minimum traffic: q, k, v's
     gradients and linear1's qkv columns read and the gradient's written; the MLP's incoming gradient and columns
     read and its gradient written."""
-    from flux_kernels import fast, reference, single_qkv
-    from flux_kernels.device import triton_runs_on
+    from flux_kernels.ops import fast, reference
+    from flux_kernels.patches import single_qkv
+    from flux_kernels.runtime.device import triton_runs_on
 
     if not triton_runs_on(dev):
         return [{"name": "single_qkv_bwd", "skipped": f"no Triton on {dev.type} (CUDA, or TRITON_INTERPRET=1)"}]
@@ -468,11 +463,11 @@ def bench_single_qkv(dev, warmup, reps, tiny: bool) -> list[dict]:
 
 def bench_prodigy(dev, warmup, reps, tiny: bool, rank: int = 16) -> list[dict]:
     """One Prodigy optimizer step over FLUX's LoRA tensors (304 modules: 608 fp32 factors plus nothing else here),
-    prodigyopt's own step against flux_kernels.prodigy's: wall time per step (the CPU launching kernels and waiting
+    prodigyopt's own step against flux_kernels.ops.prodigy's: wall time per step (the CPU launching kernels and waiting
     on the device is what differs), GPU time, and how far the parameters are apart after the timed steps."""
     from prodigyopt import Prodigy
 
-    from flux_kernels import prodigy
+    from flux_kernels.ops import prodigy
 
     shapes = {(40, 72): 3} if tiny else LORA_SHAPES
     gen = torch.Generator().manual_seed(0)
@@ -578,8 +573,8 @@ L2_WINDOWS = {  # what an L2 persistence window covers in a compiled block's for
 
 def bench_l2(dev, dtype, s, warmup, reps) -> list[dict]:
     """A compiled double and single block, forward+backward, without and with an L2 persistence window
-    (flux_kernels.l2) over its input activation or one of its weights: GPU time, and the ratio to no window."""
-    from flux_kernels import l2
+    (flux_kernels.memory.l2) over its input activation or one of its weights: GPU time, and the ratio to no window."""
+    from flux_kernels.memory import l2
 
     info = l2.l2_info(dev)
     blocks, inputs = random_blocks(dev, dtype, s)

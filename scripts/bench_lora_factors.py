@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flux_kernels.reference import rel_l2_err
-from flux_kernels.timing import cold_l2_ms
+from flux_kernels.ops.reference import rel_l2_err
+from flux_kernels.runtime.timing import cold_l2_ms
 
 RANK = 16
 # (name, kind, tokens, wide): "tokens": [wide, r] = yᵀ h, y [tokens, wide]; "features": [tokens, r] = y w, w [wide, r]

@@ -14,8 +14,9 @@ from collections import Counter
 
 import torch
 
-from flux_kernels import fp8, patch, reference
-from flux_kernels.registry import unchecked
+from flux_kernels.ops import reference
+from flux_kernels.patches import fp8, patch
+from flux_kernels.runtime.registry import unchecked
 
 
 def main() -> int:

@@ -68,11 +68,21 @@ def write_dataset(config_dir: Path, name: str, images: Path | str, **fields) -> 
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
-    """A user's working directory: ./configs/dataset/mychar.yaml over 3 captioned images; cwd is there."""
+    """A user's working directory: ./configs/dataset/mychar.yaml over 3 captioned images; cwd is there. flux-train's
+    cache is ./cache (the sd-scripts checkout it would have found stays named by FLUX_TRAIN_SD_SCRIPTS); no -v left
+    on by another test."""
+    from flux_trainer.sdscripts.checkout import locate
+
     images = make_images(tmp_path / "pics" / "mychar")
     write_dataset(tmp_path / "configs", "mychar", images, trigger="ohwx", resolution=512)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FLUX_TRAIN_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("FLUX_TRAIN_VERBOSE", raising=False)
+    try:
+        monkeypatch.setenv("FLUX_TRAIN_SD_SCRIPTS", str(locate().path))
+    except Exception:  # noqa: BLE001 - none here: the tests that need one skip
+        pass
+    monkeypatch.setenv("FLUX_TRAIN_CACHE", str(tmp_path / "cache"))
     return tmp_path
 
 
@@ -115,7 +125,7 @@ def lora_flux(fm):
 
 def probe_with_broken_launcher(monkeypatch, kernel: str, launcher: str, broken):
     """The registry probe of `kernel` on the CPU through Triton's interpreter: it passes as installed, then runs again
-    with flux_kernels._launch's `launcher` replaced by broken(original); returns that second verdict (skips without
+    with flux_kernels.ops._launch's `launcher` replaced by broken(original); returns that second verdict (skips without
     triton)."""
     import importlib.util
 
@@ -123,7 +133,8 @@ def probe_with_broken_launcher(monkeypatch, kernel: str, launcher: str, broken):
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    from flux_kernels import fast, registry
+    from flux_kernels.ops import fast
+    from flux_kernels.runtime import registry
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     spec = registry.REGISTRY[kernel]
@@ -217,7 +228,7 @@ TWO_PROCESS_REDUCE = """
     import importlib, sys
     import torch
     from accelerate import Accelerator
-    from flux_kernels import coalesced_reduce
+    from flux_kernels.ops import coalesced_reduce
     from flux_trainer.sdscripts.checkout import import_sd_scripts
     import_sd_scripts(sys.argv[2])  # as the runner imports it (its torchvision stand-in where there is none)
     train_network = importlib.import_module("train_network")

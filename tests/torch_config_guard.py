@@ -14,6 +14,7 @@ is put back as it was so that the tests after it are not failed by it. Loaded by
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import importlib.util
 import sys
@@ -37,23 +38,28 @@ def config_modules() -> dict[str, Any]:
 
 def _read(module: Any, key: str) -> Any:
     """A key's value as the module would give it, read from torch's entry where it can be (a plain getattr warns
-    about deprecated keys once per process, which would use up the warning the product's own read should give)."""
+    about deprecated keys once per process, which would use up the warning the product's own read should give).
+    torch 2.13 keeps an entry's override in a ContextVar, torch 2.11 as a plain value: both are read; anything
+    else falls back to getattr."""
     entry = module._config[key]
-    unset = getattr(sys.modules["torch.utils._config_module"], "_UNSET_SENTINEL", None)
-    fields = ("hide", "alias", "user_override", "env_value_force", "env_value_default", "default")
     if getattr(entry, "alias", None) is not None:
         return None  # a name for another module's value (compared there); reading it warns that it is deprecated
-    if unset is None or not all(hasattr(entry, f) for f in fields):
+    unset = getattr(sys.modules["torch.utils._config_module"], "_UNSET_SENTINEL", None)
+    try:
+        if entry.hide:
+            return _MISSING
+        override = entry.user_override
+        if isinstance(override, contextvars.ContextVar):
+            override = override.get()
+        for value in (entry.env_value_force, override, entry.env_value_default):
+            if value is not unset:
+                return value
+        return entry.default
+    except AttributeError:  # an entry of another shape: ask the module
         try:
             return getattr(module, key)
         except AttributeError:
             return _MISSING
-    if entry.hide:
-        return _MISSING
-    for value in (entry.env_value_force, entry.user_override.get(), entry.env_value_default):
-        if value is not unset:
-            return value
-    return entry.default
 
 
 def snapshot(modules: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -34,12 +34,20 @@ def hydra_overrides(search_dirs: list[Path] | None = None) -> list[str]:
     return ["hydra.searchpath=[" + ",".join(f"'file://{d}'" for d in dirs) + "]"]
 
 
-def compose_run(overrides: list[str], search_dirs: list[Path] | None = None) -> DictConfig:
-    """Compose like `flux-train` does, without creating a run dir (for validation up front and for tests)."""
+def compose_run(
+    overrides: list[str],
+    search_dirs: list[Path] | None = None,
+    *,
+    config_path: str | None = None,
+    config_name: str | None = None,
+) -> DictConfig:
+    """Compose like `flux-train` does, without creating a run dir (for validation up front and for tests);
+    `config_path` / `config_name`: another primary config (Hydra's -cp / -cn)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(shipped_config_dir()), version_base="1.3"):
-        return compose("config", overrides=[*overrides, *hydra_overrides(search_dirs)], return_hydra_config=False)
+    with initialize_config_dir(config_dir=str(config_path or shipped_config_dir()), version_base="1.3"):
+        every = [*overrides, *hydra_overrides(search_dirs)]
+        return compose(config_name or "config", overrides=every, return_hydra_config=False)

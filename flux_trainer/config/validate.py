@@ -7,16 +7,16 @@ Each message names the key, the bad value and the fix. Hydra already rejects unk
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from flux_kernels.request import KERNEL_NAMES, parse_request
+from flux_kernels.runtime.request import KERNEL_NAMES, parse_request
 from flux_trainer.config.errors import ConfigError
+from flux_trainer.config.refusals import output_name_problem
+from flux_trainer.data.check import IMAGE_EXTENSIONS
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 OPTIMIZERS = ("prodigy", "adamw", "adamw8bit", "adafactor")
 MEMORY_TIERS = ("auto", "cpu", "vram12", "vram16", "vram24", "vram32", "vram48", "vram80")
 
@@ -49,7 +49,11 @@ def scan_dataset(folder: Path, caption_extension: str = ".txt") -> DatasetScan:
     scan = DatasetScan(folder)
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         ext = os.path.splitext(entry.name)[1].lower()
-        if not entry.is_file() or ext not in IMAGE_EXTENSIONS:
+        try:
+            is_file = entry.is_file()
+        except OSError:  # a link that loops: flux_trainer.data.check names it
+            continue
+        if not is_file or ext not in IMAGE_EXTENSIONS:
             continue
         scan.images[ext] = scan.images.get(ext, 0) + 1
         if (folder / (os.path.splitext(entry.name)[0] + caption_extension)).is_file():
@@ -182,10 +186,8 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
             problems.append(f"train.{key}={value}: must be at least 1, or null")
     if tr.batch_size < 1 or tr.gradient_accumulation_steps < 1:
         problems.append("train.batch_size and train.gradient_accumulation_steps must be at least 1")
-    if not OmegaConf.is_missing(cfg, "dataset") and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", tr.output_name):
-        problems.append(
-            f"train.output_name={tr.output_name!r}: use letters, digits, '.', '_' and '-' (it names files and folders)"
-        )
+    if not OmegaConf.is_missing(cfg, "dataset") and (problem := output_name_problem(tr.output_name)):
+        problems.append(problem)
 
     lg = cfg.logging
     if lg.profile_at is not None and (lg.profile_at < 1 or lg.profile_steps < 1):

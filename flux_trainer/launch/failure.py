@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 # Smaller presets in order: an OOM at one tier suggests the next.
 MEMORY_TIERS = ("vram80", "vram48", "vram32", "vram24", "vram16", "vram12")
@@ -56,10 +57,11 @@ def _compile_failed(text: str) -> str:
     """torch.compile stopped (flux_kernels compiles the model's blocks): name the kernel whose module the traceback
     shows last, so that the run can go on without it; with none shown, the blocks' compilation itself."""
     try:  # on the failure path only: the registry imports torch
-        from flux_kernels.registry import REGISTRY as names
+        from flux_kernels.runtime.registry import REGISTRY as names
     except ImportError:
         names = {}
-    shown = [n for n in re.findall(r"flux_kernels[/\\](\w+)\.py", text) if n in names and n != "compile_blocks"]
+    files = re.findall(r"flux_kernels[/\\](?:\w+[/\\])*(\w+)\.py", text)  # flux_kernels/patches/single_qkv.py too
+    shown = [n for n in files if n in names and n != "compile_blocks"]
     if shown:
         fix = f"the traceback goes through the {shown[-1]} kernel: leave it out, e.g. kernels.set='auto,-{shown[-1]}'"
     else:
@@ -161,3 +163,42 @@ def explain_failure(log_tail: list[str], memory_tier: str | None) -> str:
         if matches and (best is None or matches[-1].end() > best[0]):
             best = (matches[-1].end(), message(matches[-1], memory_tier))
     return best[1] if best else "cause: not recognised; the traceback above usually names it."
+
+
+def oom_kill_count() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed in this process's memory cgroup (v2's
+    memory.events or v1's memory.oom_control); None where neither can be read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    v2 = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
+    v1 = next((line.split(":", 2)[2] for line in lines if ":memory:" in line), None)
+    candidates = []
+    if v2 is not None:
+        candidates.append(Path("/sys/fs/cgroup") / v2.lstrip("/") / "memory.events")
+    if v1 is not None:
+        candidates.append(Path("/sys/fs/cgroup/memory") / v1.lstrip("/") / "memory.oom_control")
+    candidates += [Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control")]
+    for path in candidates:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        if m := re.search(r"^oom_kill (\d+)$", text, re.M):
+            return int(m.group(1))
+    return None
+
+
+def killed_message(oom_before: int | None, oom_after: int | None, memory_tier: str | None) -> str:
+    """Why a training process ended by SIGKILL (exit 137): the out-of-memory killer, when host RAM ran out, is the
+    usual sender; the cgroup's own count says so where it can be read."""
+    seen = oom_before is not None and oom_after is not None and oom_after > oom_before
+    likely = "was" if seen else "was most likely"
+    evidence = f" (the memory cgroup's oom_kill count went {oom_before} -> {oom_after})" if seen else ""
+    return (
+        f"cause: the training process was killed (SIGKILL, exit 137): it {likely} the kernel's out-of-memory killer, "
+        f"when the machine's RAM ran out{evidence}. Lower host memory use: train.data_loader_workers=0, "
+        "memory.blocks_to_swap=0 (swapped blocks live in RAM), close other programs, or add swap; "
+        f"{'`dmesg | grep -i oom` shows the kill' if not seen else 'then run again with resume=auto'}."
+    )

@@ -294,7 +294,7 @@ class CheckpointFit:
         """Selective checkpointing on for the first `n` checkpointed blocks (in order), off for the rest."""
         if not self._selective_installed:
             return
-        from flux_kernels.selective_checkpoint import ATTR  # here, not at the top: it imports torch
+        from flux_kernels.memory.selective_checkpoint import ATTR  # here, not at the top: it imports torch
 
         for i, (_, block) in enumerate(self._order[self.kept :]):
             setattr(block, ATTR, i < n)
@@ -347,12 +347,12 @@ def hidden_states(kind: str, args: tuple, kwargs: dict) -> list:
 
 
 def offloaded(block: Any) -> bool:
-    from flux_kernels.activation_offload import ATTR
+    from flux_kernels.memory.activation_offload import ATTR
 
     return ATTR in getattr(block, "__dict__", {})
 
 
 def selective_on(block: Any) -> bool:
-    from flux_kernels.selective_checkpoint import ATTR
+    from flux_kernels.memory.selective_checkpoint import ATTR
 
     return bool(getattr(block, ATTR, False))

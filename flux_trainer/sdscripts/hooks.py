@@ -83,12 +83,12 @@ class RunHooks:
 
     def position_ids(self, build: Any, device: Any) -> Any:
         """What sd-scripts' `prepare_img_ids` should be during a step: with flux_prologue, the ids kept on `device`
-        per shape (flux_kernels.prologue.kept_on: no host build and pageable copy, a sync, every step); else
+        per shape (flux_kernels.patches.prologue.kept_on: no host build and pageable copy, a sync, every step); else
         `build` itself."""
         if "flux_prologue" not in self.kernels_installed:
             return build
         if self._ids is None or self._ids[0] is not build:
-            from flux_kernels.prologue import kept_on
+            from flux_kernels.patches.prologue import kept_on
 
             self._ids = (build, kept_on(device, build))
         return self._ids[1]
@@ -205,7 +205,7 @@ class RunHooks:
         if self._micro_steps == 1 and "compile_blocks" in self.kernels_installed:
             self._compiled = CompileState.now()  # what was compiled before training (the registry's compile probe)
         if self._micro_steps == 1 and network is not None and "lora_grad_norms" in self.kernels_installed:
-            from flux_kernels import lora_norms
+            from flux_kernels.patches import lora_norms
 
             if lora_norms.install_network(network):
                 log.info("lora_grad_norms: the network's grad_norms() (norm/avg_grad_norm) from the batched norms")
@@ -333,7 +333,7 @@ class RunHooks:
         holds."""
         if "activation_offload" not in self.kernels_installed or self._unet is None:
             return {}
-        from flux_kernels.activation_offload import offloader_of
+        from flux_kernels.memory.activation_offload import offloader_of
 
         off = offloader_of(self._unet)
         if off is None:
@@ -413,7 +413,7 @@ class RunHooks:
         texts["gpu"] = device_name(accelerator.device)
         texts["kernels"] = ", ".join(self.kernels_installed) or "none (plain sd-scripts compute path)"
         if "attention" in self.kernels_installed:
-            from flux_kernels.patch import attention_decision
+            from flux_kernels.patches.patch import attention_decision
 
             texts["attention"] = attention_decision(self._unet) or "no decision yet (no forward at a FLUX shape)"
         if self._compile_cache:
@@ -548,7 +548,9 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
     if kernels.get("set", "off") == "off":
         log.info("kernels: off (plain sd-scripts compute path)")
         return []
-    from flux_kernels import patch, registry
+    from flux_kernels.patches import patch
+    from flux_kernels.runtime import registry
+    from flux_kernels.runtime.errors import KernelError
     from flux_trainer.config.paths import cache_root
 
     selection = registry.select(kernels.get("set", "auto"), device)
@@ -560,7 +562,7 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
     if kernels.get("cuda_graphs") and not graphs:
         why = f"compile_blocks is not installed here ({selection.skipped.get('compile_blocks', 'not selected')})"
         if kernels.get("cuda_graphs_asked"):
-            raise patch.KernelError(f"kernels.cuda_graphs=true replays the compiled blocks, but {why}")
+            raise KernelError(f"kernels.cuda_graphs=true replays the compiled blocks, but {why}")
         log.info("cuda graphs skipped: %s", why)
     inductor = {**CUDA_GRAPHS_OPTIONS} if graphs else {}
     if kernels.get("combo_kernels") and "compile_blocks" in selection.installed:
@@ -598,7 +600,8 @@ def _install_on(target: Any, kind: str, kernels: dict[str, Any], instead: str) -
         return []
     import torch
 
-    from flux_kernels import patch, registry
+    from flux_kernels.runtime import registry
+    from flux_kernels.runtime.errors import KernelError
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     selection = registry.select(kernels.get("set", "auto"), device, target=kind)
@@ -608,7 +611,7 @@ def _install_on(target: Any, kind: str, kernels: dict[str, Any], instead: str) -
             line = spec.install(target)
         except ValueError as e:
             if selection.insists(spec.name):
-                raise patch.KernelError(f"{e}; remove {spec.name} from kernels= or {instead}") from e
+                raise KernelError(f"{e}; remove {spec.name} from kernels= or {instead}") from e
             log.info("kernel %s skipped: %s", spec.name, str(e).removeprefix(f"{spec.name}: "))
             continue
         log.info("flux_kernels installed %s", line)

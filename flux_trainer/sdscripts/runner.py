@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flux_trainer.metrics import progress
 from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts, sd_scripts_argv
 
 log = logging.getLogger("flux_trainer.runner")
@@ -62,6 +63,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
     StartupClock (metrics.startup), marked at each phase sd-scripts goes through until the first step."""
     from flux_trainer.config.paths import cache_root
     from flux_trainer.sdscripts import file_hash, hooks, te_cache, threads
+    from flux_trainer.sdscripts.continuation import Continuation
 
     base = mods.flux_train_network.FluxNetworkTrainer
 
@@ -69,6 +71,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
         def __init__(self) -> None:
             super().__init__()
             self.flux_train = hooks.RunHooks(spec, run_dir, startup=startup)
+            self.continuation = Continuation(None, None, "")  # inert until train() makes the run's own
 
         def train(self, args):
             # sd-scripts builds the optimizer with a module function, inside train(), and gives it to no method we
@@ -84,15 +87,23 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
             sha256 = mods.train_util.calculate_sha256
             mods.train_util.get_optimizer = get_optimizer
             mods.train_util.calculate_sha256 = file_hash.cached(sha256, cache_root() / file_hash.CACHE_FILE)
+            # resume continues the run's steps, saves appear whole, a stop request ends after a step (continuation)
+            self.continuation = Continuation(
+                args.resume, args.seed, args.output_name, processes=int(os.environ.get("WORLD_SIZE", "1"))
+            )
+            self.continuation.install(mods)
             self.flux_train.trainer_created(self)
             try:
                 return super().train(args)
             finally:
                 mods.train_util.get_optimizer = build
                 mods.train_util.calculate_sha256 = sha256
+                self.continuation.remove()
                 self.flux_train.train_finished()
 
         def load_target_model(self, args, weight_dtype, accelerator):
+            self.continuation.accelerator_ready(accelerator)
+            phase("loading the model")
             self.flux_train.startup.mark("settings and dataset")
             if spec.random_model_dir:
                 from flux_trainer.sdscripts.random_model import load_random_models
@@ -111,6 +122,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
             return result
 
         def cache_text_encoder_outputs_if_needed(self, args, accelerator, unet, vae, text_encoders, dataset, dtype):
+            phase("caching the text encoders' outputs")
             strategy = mods.train_util.TextEncoderOutputsCachingStrategy.get_strategy()
             if te_cache.all_on_disk(args, dataset, strategy):  # sd-scripts would move the models to encode nothing
                 dataset.new_cache_text_encoder_outputs(text_encoders, accelerator)  # its check; records the files
@@ -125,6 +137,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
             return result
 
         def prepare_unet_with_accelerator(self, args, accelerator, unet):
+            phase("kernels, and the model to the device")
             whole = not self.is_swapping_blocks  # with block swap sd-scripts places the blocks itself
             # the model and its LoRA to the GPU first where that can be done, so the kernels install and check there
             moved = whole and self.flux_train.model_to_device(unet, accelerator, with_network=True)
@@ -135,6 +148,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
 
         def on_step_start(self, args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train=True):
             if is_train:
+                self.continuation.step_start(args)  # a stop request ends here; this micro-batch's seed
                 self.flux_train.step_start(accelerator, network)
             return super().on_step_start(args, accelerator, network, text_encoders, unet, batch, weight_dtype, is_train)
 
@@ -150,17 +164,37 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
             finally:
                 mods.flux_utils.prepare_img_ids = build
 
+        # sd-scripts' global step counts this process's steps; the run's step adds the resumed state's
         def sample_images(self, accelerator, args, epoch, global_step, *rest):
-            result = super().sample_images(accelerator, args, epoch, global_step, *rest)
-            self.flux_train.log_new_samples(accelerator, Path(args.output_dir) / "sample", global_step)
+            step = self.continuation.run_step(global_step)
+            result = super().sample_images(accelerator, args, epoch, step, *rest)
+            self.flux_train.log_new_samples(accelerator, Path(args.output_dir) / "sample", step)
             return result
 
         def step_logging(self, accelerator, logs, global_step, epoch):
-            logs.update(self.flux_train.step_end(accelerator, logs, global_step))
-            super().step_logging(accelerator, logs, global_step, epoch)
-            self.flux_train.step_logged(accelerator, global_step)
+            step = self.continuation.run_step(global_step)
+            tags = self.flux_train.step_end(accelerator, logs, step)
+            logs.update(tags)
+            super().step_logging(accelerator, logs, step, epoch)
+            self.flux_train.step_logged(accelerator, step)
+            if getattr(accelerator, "sync_gradients", True):  # the terminal's progress line (flux-train shows it)
+                total = self.continuation.max_steps
+                progress.progress(step=step, total=total, loss=logs.get("loss/current"),
+                                  step_s=tags.get("time/step_s"), peak_gib=tags.get("vram/peak_gib"))  # fmt: skip
+
+        def epoch_logging(self, accelerator, logs, global_step, epoch):
+            super().epoch_logging(accelerator, logs, self.continuation.run_step(global_step), epoch)
+
+        def val_logging(self, accelerator, logs, global_step, epoch, val_step):
+            super().val_logging(accelerator, logs, self.continuation.run_step(global_step), epoch, val_step)
 
     return FluxTrainTrainer
+
+
+def phase(name: str) -> None:
+    """The phase before the first step, for the terminal's progress line (main process only)."""
+    if _is_main_process():
+        progress.progress(phase=name)
 
 
 def parse_sd_scripts_args(mods: SdScriptsModules, spec: RunnerSpec) -> argparse.Namespace:
@@ -185,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     apply_vram_cap(os.environ.get(VRAM_CAP_ENV))
-    from flux_kernels.patch import KernelError
+    from flux_kernels.runtime.errors import KernelError
     from flux_trainer.metrics.startup import StartupClock
+    from flux_trainer.sdscripts.continuation import EXIT_DISK_FULL, DiskFull, Interrupted
     from flux_trainer.sdscripts.hooks import NonFiniteLoss
 
     startup = StartupClock.from_env()
@@ -204,9 +239,16 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as exc:
         code, reason = EXIT_NONFINITE_LOSS, str(exc)
         log.error("stopped: %s", exc)
-    except KeyboardInterrupt:
-        code, reason = 130, "interrupted"
-        raise
+    except Interrupted as exc:  # a stop request, honoured after a whole step: no traceback
+        code, reason = 130, str(exc)
+        log.warning("%s", reason)
+    except KeyboardInterrupt as exc:  # before training started, or asked twice
+        code, reason = 130, f"interrupted ({exc or 'SIGINT'}) before a step could finish; resume=auto continues from "
+        reason += "the last state saved"
+        log.warning("%s", reason)
+    except DiskFull as exc:
+        code, reason = EXIT_DISK_FULL, str(exc)
+        log.error("%s", reason)
     finally:
         if _is_main_process():
             try:  # never raised over the failure that ended training (a full disk fails both)
@@ -234,6 +276,18 @@ def apply_vram_cap(cap_gib: str | None) -> None:
 
 def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
+
+
+def child_reason(run_dir: Path, code: int) -> str | None:
+    """The training process's own one-line account of how it ended, for codes that need no log to explain:
+    stopped on request (130), disk full, kernels or a non-finite loss."""
+    try:
+        record = json.loads((run_dir / EXIT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("code") != code or code in (0, 1):
+        return None
+    return str(record.get("reason") or "") or None
 
 
 def child_exit_code(run_dir: Path, launcher_code: int) -> int:

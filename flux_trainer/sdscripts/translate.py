@@ -37,6 +37,7 @@ class RunPaths:
     sample_prompts: Path | None = None  # written by the caller when cfg.sample.prompts is not empty
     resume_state: Path | None = None
     tracker_config: Path | None = None  # written by the caller (tracker_document) when TensorBoard is on
+    images: Path | None = None  # the folder sd-scripts reads (flux_trainer.data.stage); None: the dataset's own
 
     @property
     def output_dir(self) -> Path:
@@ -177,7 +178,8 @@ def training_document(cfg: DictConfig, paths: RunPaths) -> Document:
     return doc
 
 
-def dataset_document(cfg: DictConfig) -> Document:
+def dataset_document(cfg: DictConfig, images: Path | None = None) -> Document:
+    """The dataset config; `images`: the folder sd-scripts reads instead of the dataset's own (its staged copy)."""
     d = cfg.dataset
     doc = Document(header=f"sd-scripts dataset config for '{d.name}', written by flux-train (--dataset_config).")
     g = doc.table("general")
@@ -197,7 +199,10 @@ def dataset_document(cfg: DictConfig) -> Document:
     )
     ds.add("bucket_no_upscale", bool(d.bucket_no_upscale))
     sub = Table("datasets.subsets", array=True)
-    sub.add("image_dir", str(d.images))
+    if images is None:
+        sub.add("image_dir", str(d.images))
+    else:
+        sub.add("image_dir", str(images), f"{d.images}, staged in flux-train's cache: sd-scripts' caches land here")
     sub.add("num_repeats", int(d.repeats))
     if d.trigger:
         sub.add("caption_prefix", f"{d.trigger},", "the trigger word starts every caption")
@@ -236,4 +241,4 @@ def tracker_document() -> Document:
 
 def translate(cfg: DictConfig, paths: RunPaths) -> tuple[Document, Document]:
     """The two documents sd-scripts reads: training arguments and the dataset config."""
-    return training_document(cfg, paths), dataset_document(cfg)
+    return training_document(cfg, paths), dataset_document(cfg, paths.images)

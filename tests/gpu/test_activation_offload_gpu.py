@@ -12,9 +12,10 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor import cudagraph_trees
 
-from flux_kernels import activation_offload as ao
-from flux_kernels import compile_blocks, patch, registry
-from flux_kernels import selective_checkpoint as sac
+from flux_kernels.memory import activation_offload as ao
+from flux_kernels.memory import selective_checkpoint as sac
+from flux_kernels.patches import compile_blocks, patch
+from flux_kernels.runtime import registry
 from tests.conftest import undoing
 from tests.gpu.test_kernels_gpu import block_inputs, flux_blocks, leaves, rel
 
@@ -180,9 +181,9 @@ def test_selectively_checkpointed_blocks_save_only_dense_tensors_that_offload_ca
     single blocks saved the mirror fold's [x Wᵀ, x Aᵀ] (4608 x 3088) at the row stride inductor padded it to (3136),
     so under CUDA graphs 38 of them stayed in the graphs' pool (1.2 GiB of the card at vram48, every block
     checkpointed, offload; lora_fold.DOWN_ROWS). Every saved tensor of 1 MiB or more must be dense."""
-    from flux_kernels import lora_fold
-    from flux_kernels.reference import saved_tensors
-    from flux_kernels.registry import unchecked
+    from flux_kernels.ops.reference import saved_tensors
+    from flux_kernels.patches import lora_fold
+    from flux_kernels.runtime.registry import unchecked
     from tests.gpu.test_kernels_gpu import with_lora
 
     torch._dynamo.reset()

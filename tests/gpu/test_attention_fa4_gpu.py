@@ -10,12 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flux_kernels import attention, attention_fa4
+from flux_kernels.patches.attention import fa4 as attention_fa4
+from flux_kernels.patches.attention import probe as attention_probe
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not attention.importable(attention_fa4.MODULE), reason="needs flash-attn-4 (flash_attn.cute)"),
+    pytest.mark.skipif(
+        not attention_probe.importable(attention_fa4.MODULE), reason="needs flash-attn-4 (flash_attn.cute)"
+    ),
     pytest.mark.skipif(
         torch.cuda.is_available() and torch.cuda.get_device_capability() < attention_fa4.MIN_CAPABILITY,
         reason="FlashAttention-4's backward needs sm90 or newer",

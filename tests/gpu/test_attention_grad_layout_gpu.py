@@ -15,8 +15,11 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flux_kernels import attention, patch
-from flux_kernels.registry import unchecked
+from flux_kernels.patches import patch, verify
+from flux_kernels.patches.attention.backends import BACKENDS
+from flux_kernels.patches.attention.dispatch import AttentionDispatch
+from flux_kernels.patches.attention.probe import gradient_layout_error
+from flux_kernels.runtime.registry import unchecked
 from tests.conftest import flux_block_pair, undoing
 from tests.gpu.test_kernels_gpu import block_inputs, flux_blocks, outs_and_grads, rel, upcast
 
@@ -36,8 +39,8 @@ def test_patched_blocks_after_the_probe_match_fp32(dev, fm, compiled, tmp_path):
     truth = copy.deepcopy(model).float()
     ops = patch._ops_of(model)
     # cuDNN only: the backend with the fault, whatever would measure fastest at this shape
-    ops.attention = attention.AttentionDispatch(
-        cache_path=tmp_path / "probe.json", backends={"sdpa_cudnn": attention.BACKENDS["sdpa_cudnn"]}, device=dev
+    ops.attention = AttentionDispatch(
+        cache_path=tmp_path / "probe.json", backends={"sdpa_cudnn": BACKENDS["sdpa_cudnn"]}, device=dev
     )
     # what the model's pre-hook does at the first training forward: probe at the run's shape (contiguous gradient)
     assert ops.attention.decide_run((1, 24, lt + li, 128), torch.bfloat16, dev, False) == "sdpa_cudnn"
@@ -53,7 +56,7 @@ def test_patched_blocks_after_the_probe_match_fp32(dev, fm, compiled, tmp_path):
             print(f"\n  {kind} ({'compiled' if compiled else 'eager'}): max rel. errors against fp32 {max(errors):.2e}")
             assert max(errors) <= 3e-2, (kind, errors)
     # whether this torch still has the fault, at a fresh shape (printed only; the assertions do not depend on it)
-    err = attention.gradient_layout_error("sdpa_cudnn", dev, shape=(1, 24, lt + li + 8, 128))
+    err = gradient_layout_error("sdpa_cudnn", dev, shape=(1, 24, lt + li + 8, 128))
     print(f"  cuDNN attention with a second gradient layout: max rel. error {err:.2g} against fp32")
 
 
@@ -64,11 +67,11 @@ def test_verify_blocks_leaves_cudnn_right_for_the_probe_at_its_shape(dev, fm, tm
     wrong at that shape (max rel. error 1.54 at (1, 24, 8, 128), H200). 12 heads: a shape no other test uses."""
     model = flux_block_pair(fm, 1536, 12, 0.02).to(dev, torch.bfloat16).requires_grad_(False)
     ops = patch._ops_of(model)
-    ops.attention = attention.AttentionDispatch(
-        cache_path=tmp_path / "probe.json", backends={"sdpa_cudnn": attention.BACKENDS["sdpa_cudnn"]}, device=dev
+    ops.attention = AttentionDispatch(
+        cache_path=tmp_path / "probe.json", backends={"sdpa_cudnn": BACKENDS["sdpa_cudnn"]}, device=dev
     )
     with undoing(lambda: patch.remove_kernels(model)):
-        assert patch.verify_blocks(model) == []
+        assert verify.verify_blocks(model) == []
         for mask in (False, True):
             key = ops.attention.shape_key((1, 12, 8, 128), torch.bfloat16, dev, mask)
             assert ops.attention.choice.get(key) == "sdpa_cudnn", (mask, ops.attention.choice)

@@ -1,7 +1,7 @@
-"""On the GPU: a gradient-checkpointed compiled function with PyTorch's fused attention (a seeded op, so its RNG
-state is functionalised for the recompute) is cached by inductor's FX graph cache once flux_kernels.compile_blocks
-has done its part. Where this torch marks the graph-safe RNG op uncacheable (2.11), the same function without it
-must bypass the cache: the test shows the bypass before it shows the fix."""
+"""On the GPU: a gradient-checkpointed compiled function with PyTorch's fused attention (a seeded op, so its RNG state
+is functionalised for the recompute) is cached by inductor's FX graph cache once flux_kernels.patches.compile_blocks has
+done its part. Where this torch marks the graph-safe RNG op uncacheable (2.11), the same function without it must bypass
+the cache: the test shows the bypass before it shows the fix."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from flux_kernels import compile_blocks
+from flux_kernels.patches import compile_blocks
 from tests.conftest import undoing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -74,8 +74,8 @@ def test_pytorch_sdpa_runs_at_the_flux_shape_and_matches(report):
 
 
 def test_every_attention_backend_and_kernel_has_a_row(report):
-    from flux_kernels.attention import BACKENDS
-    from flux_kernels.registry import REGISTRY
+    from flux_kernels.patches.attention.backends import BACKENDS
+    from flux_kernels.runtime.registry import REGISTRY
 
     names = set(report["rows"])
     missing = [f"attention: {n}" for n in BACKENDS if n != "sdpa_math" and f"attention: {n}" not in names]
@@ -94,7 +94,7 @@ def test_speed_rows_measure_this_card(report):
 
 
 def test_a_broken_backend_is_a_fail_on_cuda_too():
-    from flux_kernels.attention import BACKENDS, AttentionBackend
+    from flux_kernels.patches.attention.backends import BACKENDS, AttentionBackend
 
     def broken(q, k, v, mask):
         raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
@@ -131,8 +131,8 @@ def test_fast_checks_need_no_gpu_kernels_and_take_about_a_second(tmp_path):
 
 
 def test_the_gradient_layout_row_reports_its_measurement(report):
-    """The cuDNN gradient-layout row (flux_kernels.attention.heads_to_tokens works around the fault it looks for):
-    a verdict that follows its own number."""
+    """The cuDNN gradient-layout row (flux_kernels.patches.attention.backends.heads_to_tokens works around the fault it
+    looks for): a verdict that follows its own number."""
     row = report["rows"]["attention: sdpa_cudnn gradient layout"]
     assert row.status in ("pass", "warn", "skip"), f"{row.evidence}\n{report['table']}"
     if row.status != "skip":
@@ -145,7 +145,7 @@ def test_the_gradient_layout_row_reports_its_measurement(report):
 def test_backends_without_the_fault_pass_the_layout_measurement(name):
     """The measurement itself on CUDA: backends that keep no per-shape gradient layout (measured on the H200)
     give bf16-rounding errors, at a shape of their own."""
-    from flux_kernels.attention import gradient_layout_error
+    from flux_kernels.patches.attention.probe import gradient_layout_error
 
     err = gradient_layout_error(name, "cuda", shape=(1, 3, 301, 64))
     assert err <= doctor_attention.LAYOUT_TOLERANCE, err

@@ -1,4 +1,4 @@
-"""The fp8 row quantisation kernel (flux_kernels.fp8.quantize_rows_op, Triton) on the GPU: at FLUX's widths the
+"""The fp8 row quantisation kernel (flux_kernels.patches.fp8.quantize_rows_op, Triton) on the GPU: at FLUX's widths the
 same scales and e4m3 bits as plain PyTorch's quantize_rows, and compiled fp8 Linears quantising through it
 (FLUX_KERNELS_FP8_QUANTIZE=kernel) agree with the fused graph. Skipped without CUDA or triton."""
 
@@ -9,8 +9,8 @@ import importlib.util
 import pytest
 import torch
 
-from flux_kernels import fp8
-from flux_kernels.registry import FP8_TOLERANCE
+from flux_kernels.patches import fp8
+from flux_kernels.runtime.registry import FP8_TOLERANCE
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,5 +1,5 @@
 """On the GPU: cudagraph trees record a chain of compiled blocks (one compiled function called at 24 places in a
-step, forwards saving activations that the backwards read back) with flux_kernels.graph_record's lookups exactly
+step, forwards saving activations that the backwards read back) with flux_kernels.patches.graph_record's lookups exactly
 as with torch's own: the same bookkeeping on every recorded node, the same losses and gradients, bit for bit. Each
 way runs in a process of its own (no cudagraph tree or compiled code shared between them). Also how long the
 recording step took either way, printed (a timing, not asserted).
@@ -25,7 +25,7 @@ import json, sys, time
 import torch
 from torch import nn
 from torch._inductor import cudagraph_trees as cgt
-from flux_kernels import graph_record
+from flux_kernels.patches import graph_record
 
 if sys.argv[1] == "indexed":
     assert graph_record.install() == "CUDA graph recording: indexed alias lookups"

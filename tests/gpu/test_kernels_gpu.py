@@ -10,21 +10,13 @@ import importlib.util
 import pytest
 import torch
 
-from flux_kernels import fast, fp8, patch, reference
-from flux_kernels.attention import chosen, probe_attention, without_cudnn
-from flux_kernels.reference import saved_bytes
-from flux_kernels.registry import (
-    FP8_TOLERANCE,
-    REGISTRY,
-    TOLERANCE,
-    gated_example,
-    gated_modulate_example,
-    modulate_example,
-    probe,
-    qk_example,
-    select,
-    unchecked,
-)
+from flux_kernels.ops import fast, reference
+from flux_kernels.ops.reference import saved_bytes
+from flux_kernels.patches import fp8, patch
+from flux_kernels.patches.attention.backends import without_cudnn
+from flux_kernels.patches.attention.probe import chosen, probe_attention
+from flux_kernels.runtime.examples import gated_example, gated_modulate_example, modulate_example, qk_example
+from flux_kernels.runtime.registry import FP8_TOLERANCE, REGISTRY, TOLERANCE, probe, select, unchecked
 from tests.conftest import flux_block_pair, undoing
 
 pytestmark = [
@@ -236,7 +228,7 @@ def test_compiled_patched_block_without_graph_breaks(dev, fm):
             explained = torch._dynamo.explain(block.forward)(*args)
             assert explained.graph_break_count == 0, (kind, explained.break_reasons)
             # after earlier tests compiled this block at other shapes, torch traces it with dynamic shapes: with the
-            # fused ops inside the graph, its gradients were wrong there (flux_kernels.fast.TRACED)
+            # fused ops inside the graph, its gradients were wrong there (flux_kernels.ops.fast.TRACED)
             block.compile()
             compiled = outs_and_grads(block, args)
             errors = [rel(c, e) for c, e in zip(compiled, eager, strict=True)]
@@ -357,7 +349,7 @@ def test_fp8_compiled_blocks_keep_no_more_than_the_compiled_upcast_path(dev, fm,
 
 
 def test_l2_persisting_window_is_set_inside_and_removed_after(dev):
-    from flux_kernels import l2
+    from flux_kernels.memory import l2
 
     info = l2.l2_info(dev)
     assert info.l2_bytes > 0 and 0 <= info.max_persisting_bytes <= info.l2_bytes and info.max_window_bytes > 0
@@ -384,8 +376,9 @@ def assert_matches_at_shapes(block, dev, kind, shapes, eager):
 def test_compile_blocks_with_the_fused_ops_at_two_shapes_match_eager(dev, fm):
     """compile_blocks with the fused ops patched in: a double block that meets a second shape (another bucket)
     matches the eager patched block (fused kernels) at both shapes, outputs and input gradients. With the fused ops
-    inside the compiled graphs the second shape's gradients were 26-44% off on the H200 (flux_kernels.fast.TRACED)."""
-    from flux_kernels import compile_blocks
+    inside the compiled graphs the second shape's gradients were 26-44% off on the H200
+    (flux_kernels.ops.fast.TRACED)."""
+    from flux_kernels.patches import compile_blocks
 
     model = flux_blocks(fm, dev)
     patch.apply_kernels(model, unchecked(["qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention"]))
@@ -404,7 +397,7 @@ def test_block_with_its_qkv_op_compiles_without_graph_breaks(dev, fm, kind):
     """Dynamo traces single_qkv's / double_qkv's autograd function, forward and backward (the Triton backward as
     its custom op), into the block's graph; a break would run it eagerly between two graphs. Traced code asks
     first whether triton is installed (device.triton_available, looked up once per process)."""
-    from flux_kernels import device
+    from flux_kernels.runtime import device
 
     device._triton_found = None
     model = flux_blocks(fm, dev)
@@ -422,7 +415,8 @@ def test_single_qkv_bwd_writes_gelus_gradient_from_a_column_slice(dev, L):
     aten's gelu_backward (tanh) on the same bf16 inputs: as close to the fp64 truth (max and mean error within 1%),
     rounded differently only where the two fp32 results straddle a bf16 rounding boundary (~1% of elements, 1 ulp;
     the same on the CPU interpreter against aten's CPU kernel)."""
-    from flux_kernels import _launch, single_qkv
+    from flux_kernels.ops import _launch
+    from flux_kernels.patches import single_qkv
 
     H, D, M = 24, 128, 12288
     width = 3 * H * D
@@ -457,7 +451,7 @@ def test_compiled_blocks_with_their_qkv_op_at_two_shapes_match_eager(dev, fm, ch
     keep sd-scripts' ops), with the checkpointed blocks' RNG state on the host where this torch caches that
     (compile_blocks' choice), against the eager patched block. `gelu_in_kernel`: the single block takes GELU's
     gradient in the Triton kernel, as where lora_fold mirror-folds linear2 (here linear2 is only marked so)."""
-    from flux_kernels import compile_blocks, lora_fold, single_qkv
+    from flux_kernels.patches import compile_blocks, lora_fold, single_qkv
 
     model = flux_blocks(fm, dev)
     patch.apply_kernels(model, unchecked(["attention", f"{kind}_qkv"]))
@@ -496,9 +490,9 @@ def test_plainly_checkpointed_compiled_blocks_keep_no_more_with_autograd_functio
     """torch 2.11 tags a plainly checkpointed region's ops for recomputation through FX metadata, which misses the
     ops inside autograd.Functions: the partitioner saved what single_qkv and lora_fold compute (a training step's
     peak went from 27.5 to 39.2 GiB with lora_fold at vram48, every block checkpointed). compile_blocks routes the
-    blocks' checkpoint calls through a recompute-everything context (flux_kernels.selective_checkpoint): with it
+    blocks' checkpoint calls through a recompute-everything context (flux_kernels.memory.selective_checkpoint): with it
     they keep what sd-scripts' compiled checkpointed blocks keep, the block inputs, and have the same gradients."""
-    from flux_kernels import lora_fold
+    from flux_kernels.patches import lora_fold
 
     def build():
         model = with_lora(lora_flux, flux_blocks(fm, dev), dev)
@@ -532,7 +526,7 @@ def test_plainly_checkpointed_compiled_blocks_keep_no_more_with_autograd_functio
 def test_lora_norms_kernel_matches_the_float64_ops(dev, out, inp, k):
     """The LoRA gradient row norms' Triton kernel (float64 dots) against the torch float64 ops, k modules of one
     shape at FLUX's widest, with one module whose two products nearly cancel (where float32 would lose digits)."""
-    from flux_kernels import lora_norms
+    from flux_kernels.patches import lora_norms
 
     gen = torch.Generator(device=dev).manual_seed(out)
     mods = []

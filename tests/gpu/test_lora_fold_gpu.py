@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from flux_kernels import lora_fold
-from flux_kernels.reference import max_rel_err
+from flux_kernels.ops.reference import max_rel_err
+from flux_kernels.patches import lora_fold
 from tests.unit.test_kernels_lora_fold import Lora  # sd-scripts' LoRAModule as flux_kernels sees it
 
 pytestmark = [
@@ -76,7 +76,7 @@ LAYOUT_SCRIPT = r"""
 import json, sys
 import torch
 from torch import nn
-from flux_kernels import lora_fold
+from flux_kernels.patches import lora_fold
 from tests.unit.test_kernels_lora_fold import Lora
 
 lora_fold.COMPACT = sys.argv[1] == "compact"

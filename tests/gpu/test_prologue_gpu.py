@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-from flux_kernels import prologue
+from flux_kernels.patches import prologue
 from tests.conftest import undoing
 
 pytestmark = [

@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from flux_kernels import patch, registry
+from flux_kernels.patches import patch
+from flux_kernels.runtime import registry
 from tests.conftest import tiny_flux, tiny_flux_forward, undoing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")]

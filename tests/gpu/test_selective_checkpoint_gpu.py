@@ -10,10 +10,10 @@ import importlib.util
 import pytest
 import torch
 
-from flux_kernels import patch
-from flux_kernels import selective_checkpoint as sac
-from flux_kernels.reference import saved_bytes
-from flux_kernels.registry import FP8_TOLERANCE, unchecked
+from flux_kernels.memory import selective_checkpoint as sac
+from flux_kernels.ops.reference import saved_bytes
+from flux_kernels.patches import patch
+from flux_kernels.runtime.registry import FP8_TOLERANCE, unchecked
 from flux_trainer.sdscripts.checkpoint_fit import SELECTIVE_COPIES
 from tests.conftest import undoing
 from tests.gpu.test_kernels_gpu import block_inputs, flux_blocks, outs_and_grads, rel

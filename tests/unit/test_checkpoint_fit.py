@@ -257,7 +257,7 @@ def test_auto_scales_a_small_first_batch_to_the_largest_bucket(image_tokens, kep
 
 def selective_model() -> nn.Module:
     """token_model with flux_kernels' selective_checkpoint switched on in every block, as its install leaves them."""
-    from flux_kernels.selective_checkpoint import ATTR
+    from flux_kernels.memory.selective_checkpoint import ATTR
 
     m = token_model()
     for b in [*m.double_blocks, *m.single_blocks]:
@@ -266,7 +266,7 @@ def selective_model() -> nn.Module:
 
 
 def selective(m: nn.Module) -> list[str]:
-    from flux_kernels.selective_checkpoint import ATTR
+    from flux_kernels.memory.selective_checkpoint import ATTR
 
     return [b.name for b in [*m.double_blocks, *m.single_blocks] if b.gradient_checkpointing and getattr(b, ATTR)]
 
@@ -310,7 +310,7 @@ def test_auto_spends_the_room_on_selective_checkpointing_first(room, kept, chose
 def test_with_activation_offload_every_checkpointed_block_keeps_its_selective_outputs_off_the_card(room, kept, chosen):
     """What checkpointed blocks keep waits in host memory: the room is spent on un-checkpointing whole blocks, each at
     its full activations (an un-checkpointed block keeps them on the card)."""
-    from flux_kernels.activation_offload import ATTR
+    from flux_kernels.memory.activation_offload import ATTR
 
     m = selective_model()
     for b in [*m.double_blocks, *m.single_blocks]:

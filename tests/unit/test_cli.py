@@ -35,7 +35,9 @@ def test_dry_run_writes_the_run_dir(workdir, capsys):
     assert "accelerate.commands.launch" in command and "flux_trainer.sdscripts.runner" in command
     assert str(run / "accelerate.yaml") in command
     dataset = tomli.loads((run / "dataset.toml").read_text())
-    assert dataset["datasets"][0]["subsets"][0]["image_dir"] == str(workdir / "pics" / "mychar")
+    staged = Path(dataset["datasets"][0]["subsets"][0]["image_dir"])  # the folder's staged copy in the cache
+    assert staged.parent == workdir / "cache" / "datasets" and staged.name.startswith("mychar-")
+    assert sorted(p.resolve() for p in staged.glob("*.png")) == sorted((workdir / "pics" / "mychar").glob("*.png"))
     out = capsys.readouterr().out
     assert "dry_run=true" in out and str(run) in out
 
@@ -166,7 +168,8 @@ def test_dataset_init_writes_a_config_that_trains(workdir, capsys):
     pics = make_images(workdir / "newpics", n=4)
     (pics / "broken.png").write_bytes(b"not an image")
     assert main(["dataset", "init", "newset", "--images", str(pics)]) == 2
-    assert "do not open as images" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{pics / 'broken.png'}: not an image" in err and "fix or remove" in err
     (pics / "broken.png").unlink()
     assert main(["dataset", "init", "newset", "--images", str(pics), "--trigger", "zxq", "--resolution", "768"]) == 0
     out = capsys.readouterr().out

@@ -30,7 +30,7 @@ from tests.conftest import undoing
         (["memory=vram48", "kernels.cuda_graphs=true"], True, True),
         (["memory=vram80", "kernels.cuda_graphs=false"], True, False),
         (["memory=vram80", "kernels.set='auto,activation_offload'"], True, True),  # nothing checkpointed to offload
-        # the offloaded tensors are held until their copies are done (flux_kernels.activation_offload.HOLD)
+        # the offloaded tensors are held until their copies are done (flux_kernels.memory.activation_offload.HOLD)
         (["memory=vram24", "kernels.cuda_graphs=true", "kernels.set='auto,activation_offload'"], True, True),
         (["memory=vram24", "kernels=offload"], True, True),  # the preset: the same two
     ],
@@ -56,7 +56,7 @@ def test_asking_where_graphs_cannot_run_is_an_error_naming_why(compose, override
 
 
 def test_the_offload_preset_is_auto_with_activation_offload_replayed_from_graphs(compose):
-    from flux_kernels.request import parse_request
+    from flux_kernels.runtime.request import parse_request
 
     cfg = compose("+dataset=mychar", "memory=vram24", "kernels=offload")
     request = parse_request(str(cfg.kernels.set))
@@ -83,7 +83,8 @@ def test_a_setting_that_is_not_auto_true_or_false_is_refused(compose):
 
 def fake_kernels(monkeypatch, installed, skipped=None):
     """registry.select / patch.apply_kernels stand-ins: record the options compile_blocks gets."""
-    from flux_kernels import patch, registry
+    from flux_kernels.patches import patch
+    from flux_kernels.runtime import registry
 
     seen = {}
 

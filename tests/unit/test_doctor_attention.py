@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flux_kernels import attention as fk_attention
-from flux_kernels import registry as fk_registry
-from flux_kernels.attention import AttentionBackend
-from flux_kernels.registry import KernelSpec
+from flux_kernels.patches.attention import probe as fk_probe
+from flux_kernels.patches.attention.backends import AttentionBackend
+from flux_kernels.runtime import registry as fk_registry
+from flux_kernels.runtime.registry import KernelSpec
 from flux_trainer import doctor_attention
 from flux_trainer.launch.device import DeviceInfo
 
@@ -93,7 +93,7 @@ def test_a_changed_probe_api_is_a_warning_not_a_crash(monkeypatch):
     def changed(*args, **kwargs):
         raise TypeError("probe_attention() got an unexpected keyword argument 'backends'")
 
-    monkeypatch.setattr(fk_attention, "probe_attention", changed)
+    monkeypatch.setattr(fk_probe, "probe_attention", changed)
     rows = check(sdpa=sdpa)
     assert [r.status for r in rows.values()] == ["warn"]
     assert "could not run" in next(iter(rows.values())).evidence
@@ -102,7 +102,7 @@ def test_a_changed_probe_api_is_a_warning_not_a_crash(monkeypatch):
 def test_an_unimportable_flux_kernels_is_a_warning(monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "flux_kernels.attention", None)  # import now raises ImportError
+    monkeypatch.setitem(sys.modules, "flux_kernels.patches.attention.probe", None)  # import now raises ImportError
     rows = doctor_attention.attention_checks("cpu", shape=SHAPE, dtype=torch.float32)
     assert len(rows) == 1 and rows[0].status == "warn" and "unusable" in rows[0].evidence
 
@@ -163,26 +163,26 @@ def test_without_a_gpu_attention_and_kernels_are_one_skip_each():
 
 
 def test_the_doctor_gives_flux_kernels_reasons_a_missing_package_marked_optional(monkeypatch):
-    from flux_kernels import attention
-    from flux_kernels.attention import BACKENDS
+    from flux_kernels.patches.attention import probe as attention_probe
+    from flux_kernels.patches.attention.backends import BACKENDS
 
     cuda = torch.device("cuda")
-    monkeypatch.setattr(attention, "importable", lambda module: False)
+    monkeypatch.setattr(attention_probe, "importable", lambda module: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
-    assert doctor_attention._optional(attention.unavailable(BACKENDS["cudnn_fa4"], cuda)) == (
+    assert doctor_attention._optional(attention_probe.unavailable(BACKENDS["cudnn_fa4"], cuda)) == (
         "flash_attn.cute is not installed (optional; pip install flash-attn-4==4.0.0b36)"
     )
-    assert doctor_attention._optional(attention.unavailable(BACKENDS["xformers"], cuda)) == (
+    assert doctor_attention._optional(attention_probe.unavailable(BACKENDS["xformers"], cuda)) == (
         "xformers is not installed (optional)"
     )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))  # the card cannot run it
-    why = doctor_attention._optional(attention.unavailable(BACKENDS["cudnn_fa4"], cuda))
+    why = doctor_attention._optional(attention_probe.unavailable(BACKENDS["cudnn_fa4"], cuda))
     assert why == "needs sm90 or newer (the GPU is sm86)"
-    monkeypatch.setattr(attention, "importable", lambda module: True)  # as if flash-attn-4 were installed
+    monkeypatch.setattr(attention_probe, "importable", lambda module: True)  # as if flash-attn-4 were installed
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
-    why = doctor_attention._optional(attention.unavailable(BACKENDS["cudnn_fa4"], cuda))
+    why = doctor_attention._optional(attention_probe.unavailable(BACKENDS["cudnn_fa4"], cuda))
     assert why == "needs sm90 or newer (the GPU is sm86)"
-    assert doctor_attention._optional(attention.unavailable(BACKENDS["sdpa_cudnn"], cuda)) == ""
+    assert doctor_attention._optional(attention_probe.unavailable(BACKENDS["sdpa_cudnn"], cuda)) == ""
 
 
 @pytest.mark.parametrize("name", ["xformers", "flash_attn", "cudnn_fa4", "sdpa_flash", "other"])
@@ -221,7 +221,7 @@ def test_a_backend_wrong_with_another_gradient_layout_is_a_warning_that_says_flu
 def test_a_backend_right_with_either_gradient_layout_passes():
     row = layout_row(sdpa)
     assert row.status == "pass" and row.data["max_rel_err"] < 1e-5, row.evidence
-    assert fk_attention.gradient_layout_error("sdpa_math", "cpu", dtype=torch.float32) < 1e-5
+    assert fk_probe.gradient_layout_error("sdpa_math", "cpu", dtype=torch.float32) < 1e-5
 
 
 def test_the_layout_check_skips_a_missing_kernel_and_warns_when_it_cannot_run():

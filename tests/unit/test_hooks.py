@@ -141,7 +141,7 @@ def test_run_texts_name_the_attention_backend_chosen_at_the_runs_shape(tmp_path,
     other run texts after the first step, when that forward has happened)."""
     import torch
 
-    from flux_kernels import patch
+    from flux_kernels.patches import patch
     from flux_trainer.metrics.tensorboard import read_texts
     from tests.conftest import flux_block_pair
 
@@ -238,7 +238,7 @@ def test_no_pinned_batches_off_cuda():
 
 
 def test_the_networks_grad_norms_are_patched_at_the_first_step_with_lora_grad_norms(tmp_path, monkeypatch):
-    from flux_kernels import lora_norms
+    from flux_kernels.patches import lora_norms
 
     calls = []
     monkeypatch.setattr(lora_norms, "install_network", lambda net: calls.append(net) or True)

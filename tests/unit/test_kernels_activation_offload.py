@@ -13,10 +13,11 @@ import weakref
 import pytest
 import torch
 
-from flux_kernels import activation_offload as ao
-from flux_kernels import compile_blocks, registry
-from flux_kernels import selective_checkpoint as sac
-from flux_kernels.patch import KernelError
+from flux_kernels.memory import activation_offload as ao
+from flux_kernels.memory import selective_checkpoint as sac
+from flux_kernels.patches import compile_blocks
+from flux_kernels.runtime import registry
+from flux_kernels.runtime.errors import KernelError
 from tests.conftest import tiny_flux, tiny_flux_forward, undoing
 
 

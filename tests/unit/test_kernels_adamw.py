@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from flux_kernels import adamw
+from flux_kernels.ops import adamw
 
 pytestmark = pytest.mark.skipif(
     "cpu" not in adamw._fused_devices(), reason=f"torch {torch.__version__} has no fused AdamW on the CPU"
@@ -120,7 +120,7 @@ def test_what_it_does_not_take():
 
 
 def test_the_probe_passes_here_and_rejects_a_wrong_step(monkeypatch):
-    from flux_kernels import registry
+    from flux_kernels.runtime import registry
 
     spec = registry.REGISTRY["adamw_step"]
     result = registry.probe(spec, "cpu")
@@ -138,7 +138,7 @@ def test_the_probe_passes_here_and_rejects_a_wrong_step(monkeypatch):
 
 
 def test_the_probe_rejects_a_step_that_is_not_fused(monkeypatch):
-    from flux_kernels import registry
+    from flux_kernels.runtime import registry
 
     monkeypatch.setattr(adamw, "_to_fused", lambda optimizer, args, kwargs: None)
     result = registry.probe(registry.REGISTRY["adamw_step"], "cpu")
@@ -148,7 +148,7 @@ def test_the_probe_rejects_a_step_that_is_not_fused(monkeypatch):
 def test_runner_installs_it_under_auto_with_adamw_and_skips_it_with_prodigy(caplog):
     import prodigyopt
 
-    from flux_kernels.patch import KernelError
+    from flux_kernels.runtime.errors import KernelError
     from flux_trainer.sdscripts.hooks import install_optimizer_kernels
 
     opt = torch.optim.AdamW(make_params())

@@ -11,16 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flux_kernels import attention
-from flux_kernels.attention import (
-    BACKENDS,
-    AttentionBackend,
-    AttentionDispatch,
-    BackendResult,
-    cache_key,
-    chosen,
-    probe_attention,
-)
+from flux_kernels.patches.attention import probe as attention_probe
+from flux_kernels.patches.attention.backends import BACKENDS, AttentionBackend, heads_to_tokens
+from flux_kernels.patches.attention.dispatch import AttentionDispatch
+from flux_kernels.patches.attention.probe import BackendResult, cache_key, chosen, probe_attention
 from tests.conftest import undoing
 
 SHAPE = (1, 2, 33, 16)
@@ -148,7 +142,7 @@ def test_results_are_cached_per_key_and_the_cached_choice_is_checked_again(tmp_p
 
 def test_the_verdict_line_says_how_long_the_probe_took(tmp_path, caplog):
     dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends={"math": FAKES["math"]})
-    with caplog.at_level("INFO", logger="flux_kernels.attention"):
+    with caplog.at_level("INFO", logger="flux_kernels.patches.attention"):
         dispatch.prepare(SHAPE, torch.float32, "cpu", False)
         dispatch.prepare(SHAPE, torch.float32, "cpu", False)  # the cached verdict, checked again
     lines = [r.getMessage() for r in caplog.records]
@@ -160,7 +154,7 @@ def test_where_nothing_passes_and_pytorchs_own_sdpa_failed_too_it_is_an_error(tm
     """No backend correct, the SDPA that sd-scripts itself calls among the rejected: nothing is left to fall back
     on, and a rejected backend is never used (the failure mode of a torch build that computes wrong attention on a
     new card)."""
-    from flux_kernels.patch import KernelError
+    from flux_kernels.runtime.errors import KernelError
 
     backends = {"sdpa": AttentionBackend("sdpa", _wrong, cuda_only=False), "no_backward": FAKES["no_backward"]}
     dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
@@ -184,7 +178,7 @@ def test_a_cached_choice_that_is_wrong_here_is_probed_again(tmp_path, caplog):
     assert chosen(probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends, cache_path=path,
                                   timer=fake_timer)) == "math"  # fmt: skip
     broken = {"math": AttentionBackend("math", _wrong, cuda_only=False), "slow_math": FAKES["slow_math"]}
-    with caplog.at_level("WARNING", logger=attention.__name__):
+    with caplog.at_level("WARNING", logger=attention_probe.__name__):
         results = probe_attention(SHAPE, torch.float32, "cpu", False, backends=broken, cache_path=path,
                                   timer=fake_timer)  # fmt: skip
     assert chosen(results) == "slow_math"
@@ -209,7 +203,7 @@ def test_cache_key_changes_with_versions_device_and_shape():
     assert cache_key(SHAPE, torch.bfloat16, h200, False, versions) != cache_key(
         SHAPE, torch.bfloat16, rtx, False, versions
     )
-    assert set(attention.library_versions()) >= {"torch", "cuda", "cudnn", "xformers", "flash_attn"}
+    assert set(attention_probe.library_versions()) >= {"torch", "cuda", "cudnn", "xformers", "flash_attn"}
 
 
 def test_dispatch_probes_once_per_shape_and_uses_the_choice(tmp_path):
@@ -289,7 +283,7 @@ def test_calls_away_from_the_training_device_probe_nothing(tmp_path, caplog):
     dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
     dispatch.device = torch.device("cuda", 0)  # the run's device; the inputs below are on the CPU
     q, k, v = (torch.randn(SHAPE) for _ in range(3))
-    with caplog.at_level("INFO", logger="flux_kernels.attention"):
+    with caplog.at_level("INFO", logger="flux_kernels.patches.attention"):
         out = dispatch(q, k, v, None)
     assert calls == [] and dispatch.choice == {} and caplog.records == []
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
@@ -326,11 +320,11 @@ def test_backend_result_is_plain_data():
 
 def test_a_backend_with_quadratic_memory_is_not_tried_at_long_sequences(tmp_path, monkeypatch):
     """The probe runs at the run's first forward; the math backend at 4608 tokens would borrow ~4 GiB there."""
-    backends = {name: attention.BACKENDS[name] for name in ("sdpa", "sdpa_math")}
+    backends = {name: BACKENDS[name] for name in ("sdpa", "sdpa_math")}
     results = probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends, use_cache=False,
                               timer=lambda name, fn: 1.0)  # fmt: skip
     assert all(r.ok for r in results)  # 2 x 33^2 weights: tried
-    monkeypatch.setattr(attention, "QUADRATIC_PROBE_BYTES", 2 * 33 * 33 * 4 - 1)
+    monkeypatch.setattr(attention_probe, "QUADRATIC_PROBE_BYTES", 2 * 33 * 33 * 4 - 1)
     results = {r.name: r for r in probe_attention(SHAPE, torch.float32, "cpu", False, backends=backends,
                                                   use_cache=False, timer=lambda name, fn: 1.0)}  # fmt: skip
     assert results["sdpa"].chosen and not results["sdpa_math"].ok
@@ -343,7 +337,7 @@ def _decide_on_rank(rank: int, world: int, init: str, out_dir: str) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     with undoing(dist.destroy_process_group):
-        backends = {name: attention.BACKENDS[name] for name in ("sdpa", "sdpa_math")}
+        backends = {name: BACKENDS[name] for name in ("sdpa", "sdpa_math")}
         dispatch = AttentionDispatch(cache_path=None, backends=backends)
         own = "sdpa_math" if rank == 0 else "sdpa"
         dispatch.choice[dispatch.shape_key(SHAPE, torch.float32, "cpu", False)] = own
@@ -369,8 +363,8 @@ def test_heads_to_tokens_is_the_blocks_rearrange_and_hands_back_a_contiguous_gra
     gradient contiguous (cuDNN attention keeps the gradient layout of its first backward at a shape)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, 4, generator=gen).requires_grad_()
-    torch.library.opcheck(attention.heads_to_tokens, (x,))
-    out = attention.heads_to_tokens(x)
+    torch.library.opcheck(heads_to_tokens, (x,))
+    out = heads_to_tokens(x)
     assert torch.equal(out, x.transpose(1, 2).flatten(2))
     wide = torch.randn(2, 5, 20, generator=gen)  # the single block's gradient: a slice of a wider one
     for grad in (torch.randn(2, 5, 12, generator=gen), wide[..., :12]):

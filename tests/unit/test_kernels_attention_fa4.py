@@ -1,7 +1,8 @@
-"""flux_kernels.attention_fa4 on the CPU: the two custom ops (cuDNN's forward with its log-sum-exp, FlashAttention-4's
-backward; here their plain-PyTorch math) against PyTorch's SDPA, forward and backward; torch.library's op checks;
-compiled blocks calling the ops when the probe chose `cudnn_fa4`; why the probe leaves it out (not installed, an
-older GPU, a mask); selective checkpointing keeping its output. The CUDA path is tests/gpu/test_attention_fa4_gpu.py."""
+"""flux_kernels.patches.attention.fa4 on the CPU: the two custom ops (cuDNN's forward with its log-sum-exp,
+FlashAttention-4's backward; here their plain-PyTorch math) against PyTorch's SDPA, forward and backward;
+torch.library's op checks; compiled blocks calling the ops when the probe chose `cudnn_fa4`; why the probe leaves it out
+(not installed, an older GPU, a mask); selective checkpointing keeping its output. The CUDA path is
+tests/gpu/test_attention_fa4_gpu.py."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import tomli
 import torch
 import torch.nn.functional as F
 
-from flux_kernels import attention, attention_fa4, selective_checkpoint
-from flux_kernels.attention import BACKENDS, AttentionBackend, AttentionDispatch
-from flux_kernels.reference import max_rel_err
+from flux_kernels.memory import selective_checkpoint
+from flux_kernels.ops.reference import max_rel_err
+from flux_kernels.patches.attention import fa4 as attention_fa4
+from flux_kernels.patches.attention import probe as attention_probe
+from flux_kernels.patches.attention.backends import BACKENDS, AttentionBackend, heads_to_tokens
+from flux_kernels.patches.attention.dispatch import AttentionDispatch
 
 
 def _qkv(shape, dtype=torch.float64, seed=0):
@@ -58,7 +62,7 @@ def test_the_output_is_token_major_so_the_tokens_form_is_a_view():
     tokens = attention_fa4.cudnn_fa4_tokens(*leaves)
     assert tokens.shape == (2, 11, 24) and tokens._base is not None  # a view, no copy
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = attention.heads_to_tokens(F.scaled_dot_product_attention(*ref))
+    want = heads_to_tokens(F.scaled_dot_product_attention(*ref))
     assert max_rel_err(tokens, want) < 1e-5
     # the gradient in the layout a single block's backward makes (a column slice of a wider buffer)
     g = _wide_slice(go.transpose(1, 2).flatten(2))
@@ -102,11 +106,11 @@ def test_the_probe_checks_a_tokens_form_with_the_gradient_layout_training_gives(
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     F.scaled_dot_product_attention(*ref).backward(go)
     assert max_rel_err(leaves[0].grad, ref[0].grad) < 1e-5
-    monkeypatch.setattr(attention, "unavailable", lambda backend, dev: "")
+    monkeypatch.setattr(attention_probe, "unavailable", lambda backend, dev: "")
     fa4 = BACKENDS["cudnn_fa4"]
     backends = {"good": fa4, "careless": AttentionBackend("careless", fa4.run, cuda_only=False, op=fa4.op,
                                                           tokens=careless_tokens)}  # fmt: skip
-    results = {r.name: r for r in attention.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False,
+    results = {r.name: r for r in attention_probe.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False,
                                                             backends=backends, cache_path=tmp_path / "c.json",
                                                             reps=1)}  # fmt: skip
     assert results["good"].ok
@@ -145,7 +149,7 @@ def test_torch_library_op_checks():
 def test_compiled_blocks_call_the_ops_when_the_probe_chose_them(tmp_path, monkeypatch):
     """With `cudnn_fa4` as the run's choice, traced code calls its custom ops (no graph break, no SDPA); the result
     and the gradients are the attention's."""
-    monkeypatch.setattr(attention, "unavailable", lambda backend, dev: "")  # as on a GPU with flash-attn-4
+    monkeypatch.setattr(attention_probe, "unavailable", lambda backend, dev: "")  # as on a GPU with flash-attn-4
     backends = {"cudnn_fa4": BACKENDS["cudnn_fa4"]}
     dispatch = AttentionDispatch(cache_path=tmp_path / "c.json", backends=backends)
     assert dispatch.decide_run((1, 2, 21, 8), torch.float32, "cpu", False) == "cudnn_fa4"
@@ -172,40 +176,40 @@ def test_compiled_blocks_call_the_ops_when_the_probe_chose_them(tmp_path, monkey
 def test_why_the_probe_leaves_it_out(monkeypatch):
     backend = BACKENDS["cudnn_fa4"]
     assert backend.requires == "flash_attn.cute" and backend.min_capability == (9, 0)
-    monkeypatch.setattr(attention, "importable", lambda module: False)
-    assert attention.unavailable(backend, torch.device("cpu")) == "needs CUDA (device is cpu)"
+    monkeypatch.setattr(attention_probe, "importable", lambda module: False)
+    assert attention_probe.unavailable(backend, torch.device("cpu")) == "needs CUDA (device is cpu)"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
-    assert attention.unavailable(backend, torch.device("cuda")) == "needs sm90 or newer (the GPU is sm86)"
+    assert attention_probe.unavailable(backend, torch.device("cuda")) == "needs sm90 or newer (the GPU is sm86)"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
-    assert attention.unavailable(backend, torch.device("cuda")) == (
+    assert attention_probe.unavailable(backend, torch.device("cuda")) == (
         f"flash_attn.cute is not installed (pip install {attention_fa4.DISTRIBUTION})"
     )
-    monkeypatch.setattr(attention, "importable", lambda module: True)
-    assert attention.unavailable(backend, torch.device("cpu")) == "needs CUDA (device is cpu)"
+    monkeypatch.setattr(attention_probe, "importable", lambda module: True)
+    assert attention_probe.unavailable(backend, torch.device("cpu")) == "needs CUDA (device is cpu)"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 9))
-    assert attention.unavailable(backend, torch.device("cuda")) == "needs sm90 or newer (the GPU is sm89)"
+    assert attention_probe.unavailable(backend, torch.device("cuda")) == "needs sm90 or newer (the GPU is sm89)"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (12, 0))
-    assert attention.unavailable(backend, torch.device("cuda")) == ""
+    assert attention_probe.unavailable(backend, torch.device("cuda")) == ""
     q, k, v, _ = _qkv((1, 2, 5, 8))
     with pytest.raises(NotImplementedError, match="no attention mask"):
         attention_fa4.cudnn_fa4(q, k, v, torch.ones(1, 2, 5, 5, dtype=torch.bool))
 
 
 def test_a_missing_parent_package_reads_as_not_installed():
-    assert not attention.importable("surely_not_a_package_here.cute")
-    assert attention.importable("torch.nn")
+    assert not attention_probe.importable("surely_not_a_package_here.cute")
+    assert attention_probe.importable("torch.nn")
 
 
 def test_the_probe_with_a_mask_rejects_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(attention, "unavailable", lambda backend, dev: "")
+    monkeypatch.setattr(attention_probe, "unavailable", lambda backend, dev: "")
     backends = {"cudnn_fa4": BACKENDS["cudnn_fa4"],
                 "math": AttentionBackend("math", BACKENDS["sdpa_math"].run, cuda_only=False)}  # fmt: skip
-    results = attention.probe_attention((1, 2, 19, 8), torch.float32, "cpu", True, backends=backends,
+    results = attention_probe.probe_attention((1, 2, 19, 8), torch.float32, "cpu", True, backends=backends,
                                         cache_path=tmp_path / "c.json", reps=1)  # fmt: skip
     by_name = {r.name: r for r in results}
     assert not by_name["cudnn_fa4"].ok and "no attention mask" in by_name["cudnn_fa4"].error
-    assert attention.chosen(results) == "math"
-    unmasked = attention.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False, backends=backends,
+    assert attention_probe.chosen(results) == "math"
+    unmasked = attention_probe.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False, backends=backends,
                                          cache_path=tmp_path / "c.json", reps=1)  # fmt: skip
     assert {r.name: r for r in unmasked}["cudnn_fa4"].ok
 
@@ -217,19 +221,19 @@ def test_selective_checkpointing_keeps_its_output():
 
 
 def test_the_cache_key_names_flash_attn_4():
-    assert "flash-attn-4" in attention.library_versions()
+    assert "flash-attn-4" in attention_probe.library_versions()
 
 
 def test_the_environment_can_leave_a_backend_out_of_the_probe(tmp_path, monkeypatch):
-    monkeypatch.setattr(attention, "unavailable", lambda backend, dev: "")
+    monkeypatch.setattr(attention_probe, "unavailable", lambda backend, dev: "")
     backends = {"cudnn_fa4": BACKENDS["cudnn_fa4"],
                 "math": AttentionBackend("math", BACKENDS["sdpa_math"].run, cuda_only=False)}  # fmt: skip
-    monkeypatch.setenv(attention.EXCLUDE_ENV, "cudnn_fa4, other")
-    results = attention.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False, backends=backends,
+    monkeypatch.setenv(attention_probe.EXCLUDE_ENV, "cudnn_fa4, other")
+    results = attention_probe.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False, backends=backends,
                                         cache_path=tmp_path / "c.json", reps=1)  # fmt: skip
     assert [r.name for r in results] == ["math"]
-    monkeypatch.delenv(attention.EXCLUDE_ENV)
-    results = attention.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False, backends=backends,
+    monkeypatch.delenv(attention_probe.EXCLUDE_ENV)
+    results = attention_probe.probe_attention((1, 2, 19, 8), torch.float32, "cpu", False, backends=backends,
                                         cache_path=tmp_path / "c.json", reps=1)  # fmt: skip
     assert sorted(r.name for r in results) == ["cudnn_fa4", "math"]  # another cache entry: both tried
 

@@ -89,7 +89,7 @@ def test_l2_rows_on_cpu_with_the_runtime_calls_stood_in(bench, fm, monkeypatch):
     calls and compilation stood in, every window row must name what it covered and compare with no window."""
     from contextlib import contextmanager
 
-    from flux_kernels import l2
+    from flux_kernels.memory import l2
 
     asked = []
 

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from flux_kernels import coalesced_reduce, registry, single_process
+from flux_kernels.ops import coalesced_reduce, single_process
+from flux_kernels.runtime import registry
 from tests.conftest import check_two_process_reduce
 
 

@@ -1,4 +1,4 @@
-"""flux_kernels.compile_blocks: graph-safe RNG functionalisation is turned off only where it is what keeps
+"""flux_kernels.patches.compile_blocks: graph-safe RNG functionalisation is turned off only where it is what keeps
 checkpointed compiled graphs out of the FX graph cache and no CUDA graphs need it, and is put back on removal."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from torch import nn
 from torch._functorch import config as functorch_config
 from torch._prims import rng_prims
 
-from flux_kernels import compile_blocks, graph_record, patch
+from flux_kernels.patches import compile_blocks, graph_record, patch
+from flux_kernels.patches.blocks import find_blocks
 from tests.conftest import tiny_flux, tiny_flux_forward, undoing
 
 
@@ -71,7 +72,7 @@ class Model(nn.Module):
 
 def test_install_compile_says_so_and_remove_kernels_restores(graphsafe_uncacheable):
     model = Model()
-    if not patch.find_blocks(model)[1]:
+    if not find_blocks(model)[1]:
         pytest.fail("the stand-in block is not recognised as a single-stream block")
     line = compile_blocks.install(model, mode="reduce-overhead")  # CUDA graphs: left as it is
     assert "RNG" not in line and functorch_config.graphsafe_rng_functionalization is True
@@ -89,9 +90,10 @@ def test_install_compile_says_so_and_remove_kernels_restores(graphsafe_uncacheab
 
 
 def test_blocks_with_the_fused_ops_keep_the_graph_safe_rng(graphsafe_uncacheable):
-    """flux_kernels.fast.TRACED: on the H200 a compiled, checkpointed double block with the fused ops patched in had
+    """flux_kernels.ops.fast.TRACED: on the H200 a compiled, checkpointed double block with the fused ops patched in had
     wrong gradients at its second shape with the RNG state saved on the host, right ones with the graph-safe op."""
-    from flux_kernels.patch import ATTR, BlockOps
+    from flux_kernels.patches.blocks import ATTR
+    from flux_kernels.patches.patch import BlockOps
 
     model = Model()
     for b in model.single_blocks:
@@ -152,7 +154,7 @@ def test_one_compiled_double_block_graph_for_every_double_block(fm):
 def _tiny_flux_with(fm, names: list[str], choice: str | None, options: dict):
     """sd-scripts' tiny Flux with flux_kernels `names` installed; `choice` stands in for the attention probe's
     verdict at the run's shape (1, 2, 24, 128) float32 (the probe itself is timing, not what is tested here)."""
-    from flux_kernels import registry
+    from flux_kernels.runtime import registry
 
     model = tiny_flux(fm)
     model.requires_grad_(False).img_in.requires_grad_(True)
@@ -280,7 +282,7 @@ def test_graphs_with_autograd_functions_stay_in_the_autograd_cache(fm, tmp_path,
     single-block graph compiled anew in every run, 4.2 s of a warm first step). With compile_blocks' switch the
     first run stores it and the second loads it, with the same gradients; the switch is put back on removal. Both
     of single_qkv's backwards: torch ops, and the Triton kernel's custom op (through Triton's interpreter here)."""
-    from flux_kernels import fast
+    from flux_kernels.ops import fast
 
     if backward == "triton":
         pytest.importorskip("triton", reason="triton is not installed: only the torch backward can run")
@@ -345,7 +347,7 @@ def test_installing_kernels_and_the_first_forward_draw_nothing_from_the_runs_ran
     graphs. The kernels that install on a CPU, compiled."""
     import random
 
-    from flux_kernels import registry
+    from flux_kernels.runtime import registry
 
     model = tiny_flux(fm)
     model.requires_grad_(False).img_in.requires_grad_(True)

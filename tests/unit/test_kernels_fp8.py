@@ -1,4 +1,4 @@
-"""fp8 frozen matmuls (flux_kernels.fp8) on CPU: torch._scaled_mm runs here too, so the real kernel path is
+"""fp8 frozen matmuls (flux_kernels.patches.fp8) on CPU: torch._scaled_mm runs here too, so the real kernel path is
 compared with the upcast reference forward and backward, installed into sd-scripts' blocks under its LoRA, and
 selected by `auto` only on an fp8 base. Speed is the GPU's business (tests/gpu, scripts/bench_kernels.py)."""
 
@@ -10,9 +10,11 @@ import logging
 import pytest
 import torch
 
-from flux_kernels import fp8, patch, registry
-from flux_kernels.reference import saved_bytes
-from flux_kernels.registry import FP8_TOLERANCE, REGISTRY, KernelSpec, Selection, probe
+from flux_kernels.ops.reference import saved_bytes
+from flux_kernels.patches import fp8, patch, verify
+from flux_kernels.runtime import applies, registry
+from flux_kernels.runtime.errors import KernelError
+from flux_kernels.runtime.registry import FP8_TOLERANCE, REGISTRY, KernelSpec, Selection, probe
 from tests.conftest import cpu_row_scales, flux_block_pair, undoing
 
 HIDDEN, HEADS = 256, 2
@@ -192,10 +194,10 @@ def test_where_fp8_applies():
     ada = {"type": "cuda", "name": "NVIDIA GeForce RTX 4090", "capability": [8, 9]}
     ampere = {"type": "cuda", "name": "NVIDIA A100", "capability": [8, 0]}
     blackwell = {"type": "cuda", "name": "NVIDIA GeForce RTX 5090", "capability": [12, 0]}
-    assert registry.fp8_applies(ada)[0] and registry.fp8_applies(blackwell)[0]
-    ok, why = registry.fp8_applies(ampere)
+    assert applies.fp8_applies(ada)[0] and applies.fp8_applies(blackwell)[0]
+    ok, why = applies.fp8_applies(ampere)
     assert not ok and "sm_89" in why
-    assert not registry.fp8_applies("cpu")[0]
+    assert not applies.fp8_applies("cpu")[0]
 
 
 # ---- installed into sd-scripts' blocks, under sd-scripts' own LoRA ----------------------------------------------
@@ -218,8 +220,8 @@ def _blocks_with_lora(fm, lora_flux, weight_dtype):
 
 def _run_blocks(model, loras, seed=0):
     block = model.double_blocks[0]
-    args = patch._verify_inputs(block, "double", "cpu", torch.bfloat16, with_mask=False)
-    single_args = patch._verify_inputs(model.single_blocks[0], "single", "cpu", torch.bfloat16, with_mask=False)
+    args = verify._verify_inputs(block, "double", "cpu", torch.bfloat16, with_mask=False)
+    single_args = verify._verify_inputs(model.single_blocks[0], "single", "cpu", torch.bfloat16, with_mask=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         img, txt = block(*args[:4])
         out = model.single_blocks[0](torch.cat([txt, img], dim=1), *single_args[1:4])
@@ -335,7 +337,7 @@ def test_auto_takes_fp8_only_on_an_fp8_base_and_a_named_request_quantises(fm, lo
     auto = Selection(("fp8_matmul",), specs=(spec,), explicit=False)
     named = Selection(("fp8_matmul",), specs=(spec,), explicit=True)
     model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="flux_kernels.patch"):
+    with caplog.at_level(logging.INFO, logger="flux_kernels.patches.patch"):
         assert patch.apply_kernels(model, auto) == []
     assert "kernel fp8_matmul skipped: the base weights are not fp8" in caplog.text
     assert model.single_blocks[0].linear1.weight.dtype == torch.bfloat16
@@ -355,13 +357,13 @@ def test_kernels_fp8_without_checkpointing_skips_the_lora_fold(fm, lora_flux, ca
     specs = tuple(REGISTRY[n] for n in ("fp8_matmul", "lora_fold"))
     selection = Selection(("fp8_matmul", "lora_fold"), specs=specs, explicit=False, named=("fp8_matmul",))
     model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
-    assert registry.has_wide_lora(model)[0]  # on the bf16 model the fold applies
-    with caplog.at_level(logging.INFO, logger="flux_kernels.patch"):
+    assert applies.has_wide_lora(model)[0]  # on the bf16 model the fold applies
+    with caplog.at_level(logging.INFO, logger="flux_kernels.patches.patch"):
         assert patch.apply_kernels(model, selection) == ["fp8_matmul"]
     assert "kernel lora_fold skipped: no plain LoRA" in caplog.text
     model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
     both = dataclasses.replace(selection, named=("fp8_matmul", "lora_fold"))
-    with pytest.raises(patch.KernelError, match="lora_fold"):  # named, the fold is insisted on: an error
+    with pytest.raises(KernelError, match="lora_fold"):  # named, the fold is insisted on: an error
         patch.apply_kernels(model, both)
 
 
@@ -369,7 +371,7 @@ def test_nothing_eligible_is_an_error_naming_why(fm, lora_flux):
     with pytest.raises(ValueError, match="no FLUX double/single-stream blocks"):
         patch.install_fp8(torch.nn.Linear(4, 4))
     model, _ = _blocks_with_lora(fm, lora_flux, torch.bfloat16)
-    with pytest.raises(patch.KernelError, match="none of the 10 block Linear layers qualify"):
+    with pytest.raises(KernelError, match="none of the 10 block Linear layers qualify"):
         patch.install_fp8(model, quantize=False)
 
 

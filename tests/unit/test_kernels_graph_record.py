@@ -1,6 +1,6 @@
-"""flux_kernels.graph_record: cudagraph trees' two alias lookups answered through an index give torch's own answers
-(asked on paths of real CPU storages, as torch builds and changes them), the probe rejects lookups that differ, and
-install / remove swap torch's methods and put them back."""
+"""flux_kernels.patches.graph_record: cudagraph trees' two alias lookups answered through an index give torch's own
+answers (asked on paths of real CPU storages, as torch builds and changes them), the probe rejects lookups that differ,
+and install / remove swap torch's methods and put them back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._inductor import cudagraph_trees as cgt
 
-from flux_kernels import graph_record
+from flux_kernels.patches import graph_record
 from tests.conftest import undoing
 
 TORCH = {name: cgt.CUDAGraphNode.__dict__[name] for name in graph_record.METHODS}

@@ -1,6 +1,6 @@
-"""flux_kernels.l2 without a GPU: the ctypes structures match CUDA's driver_types.h layout, the window size respects
-the device limits, bad requests are refused before the runtime is touched, and the runtime PyTorch loaded is the one
-found. (Setting a window for real: tests/gpu/test_kernels_gpu.py.)"""
+"""flux_kernels.memory.l2 without a GPU: the ctypes structures match CUDA's driver_types.h layout, the window size
+respects the device limits, bad requests are refused before the runtime is touched, and the runtime PyTorch loaded is
+the one found. (Setting a window for real: tests/gpu/test_kernels_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ctypes
 import pytest
 import torch
 
-from flux_kernels import l2
+from flux_kernels.memory import l2
 
 
 def test_structures_have_the_cuda_header_layout():

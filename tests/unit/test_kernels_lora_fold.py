@@ -1,5 +1,5 @@
-"""flux_kernels.lora_fold: a LoRA factor folded into the frozen GEMM (B beside W on widening layers, A below W on
-narrowing ones), against sd-scripts' form (the plain composition, and sd-scripts' own LoRAModule where a checkout is
+"""flux_kernels.patches.lora_fold: a LoRA factor folded into the frozen GEMM (B beside W on widening layers, A below W
+on narrowing ones), against sd-scripts' form (the plain composition, and sd-scripts' own LoRAModule where a checkout is
 importable): forward and every gradient on fresh random inputs, installed into a model (only widening and narrowing
 layers), the factors synced after an optimizer step, under autocast and torch.compile, uninstall."""
 
@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from flux_kernels import lora_fold, lora_norms, patch, registry
-from flux_kernels.reference import max_rel_err
+from flux_kernels.ops.reference import max_rel_err
+from flux_kernels.patches import lora_fold, lora_norms, patch
+from flux_kernels.runtime import applies, registry
+from flux_kernels.runtime.errors import KernelError
 from tests.conftest import undoing
 
 
@@ -269,23 +271,23 @@ def test_what_is_not_folded():
     for i in (0, 2):
         model[i].weight.data = model[i].weight.data.to(torch.float8_e4m3fn)
     assert lora_fold.candidates(model) == []  # fp8 weights belong to fp8_matmul
-    assert not registry.has_wide_lora(model)[0]
-    with pytest.raises(patch.KernelError, match="lora_fold"):
+    assert not applies.has_wide_lora(model)[0]
+    with pytest.raises(KernelError, match="lora_fold"):
         patch.install_lora_fold(model)
     model, loras = _model()
-    assert registry.has_wide_lora(model) == (True, "2 LoRA Linear layers with out >= 4x in or in >= 4x out")
+    assert applies.has_wide_lora(model) == (True, "2 LoRA Linear layers with out >= 4x in or in >= 4x out")
     # FLUX: linear1 (7x) and the double blocks' mlp.0 (4x) widen, linear2 and mlp.2 narrow; q/k/v (3x) is neither
     shapes = ((3072, 21504), (3072, 12288), (15360, 3072), (3072, 9216))
     sides = [lora_fold.side(nn.Linear(k, n, device="meta")) for k, n in shapes]
     assert sides == ["up", "up", "down", None]
     model.gradient_checkpointing = True  # sd-scripts' FLUX model says so after enable_gradient_checkpointing()
-    ok, why = registry.has_wide_lora(model)
+    ok, why = applies.has_wide_lora(model)
     assert not ok and "checkpointing" in why  # auto leaves it out there; named, it still installs:
     assert patch.install_lora_fold(model).startswith("lora_fold: 2 LoRA Linear layers (1 with B, 1 with A")
     model, loras = _model()
     model.blocks_to_swap = 4  # sd-scripts' enable_block_swap
-    assert "block swap" in registry.has_wide_lora(model)[1]
-    with pytest.raises(patch.KernelError, match="block swap"):
+    assert "block swap" in applies.has_wide_lora(model)[1]
+    with pytest.raises(KernelError, match="block swap"):
         patch.install_lora_fold(model)
     block = nn.Module()  # FLUX's modulation layers are as wide (3072 -> 18432) but see one row per image
     block.img_mod, block.modulation = nn.Module(), nn.Module()

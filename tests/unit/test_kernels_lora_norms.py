@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from flux_kernels import fast, lora_norms, patch
-from flux_kernels.registry import REGISTRY, KernelError, unchecked
+from flux_kernels.ops import fast
+from flux_kernels.patches import lora_norms, patch
+from flux_kernels.runtime.errors import KernelError
+from flux_kernels.runtime.registry import REGISTRY, unchecked
 
 
 @pytest.fixture(params=["torch", "triton"])
@@ -163,7 +165,7 @@ def test_a_kernel_that_cannot_compile_here_leaves_the_norms_to_the_torch_ops(mon
     monkeypatch.setattr(launchers, "gram_row_norms", broken)
     gen = torch.Generator().manual_seed(2)
     mods = [[torch.randn(*s, generator=gen) for s in ((20, 4), (4, 12), (20, 4), (4, 12))] for _ in range(2)]
-    with caplog.at_level("WARNING", logger="flux_kernels.lora_norms"):
+    with caplog.at_level("WARNING", logger="flux_kernels.patches.lora_norms"):
         first = lora_norms.batched_row_norms(*zip(*mods, strict=True), 0.5)
         second = lora_norms.batched_row_norms(*zip(*mods, strict=True), 0.5)
     assert calls == [1] and torch.equal(first, second)

@@ -14,9 +14,10 @@ import importlib.util
 import pytest
 import torch
 
-from flux_kernels import patch, reference
-from flux_kernels.reference import saved_bytes
-from flux_kernels.registry import unchecked
+from flux_kernels.ops import reference
+from flux_kernels.ops.reference import saved_bytes
+from flux_kernels.patches import patch
+from flux_kernels.runtime.registry import unchecked
 from tests.conftest import flux_block_pair, undoing
 
 ALL_OPS = ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]

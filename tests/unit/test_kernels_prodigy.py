@@ -1,4 +1,4 @@
-"""flux_kernels.prodigy against prodigyopt itself: the same parameters, state and step sizes over several steps on
+"""flux_kernels.ops.prodigy against prodigyopt itself: the same parameters, state and step sizes over several steps on
 fresh random tensors (one all-zero, like LoRA's up weights), in the settings flux-train uses and their variants;
 one host read per step instead of two per tensor; install / uninstall and the fallbacks."""
 
@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from flux_kernels import prodigy
+from flux_kernels.ops import prodigy
 
 prodigyopt = pytest.importorskip("prodigyopt", reason="prodigyopt is not installed (the reference)")
 
@@ -245,7 +245,7 @@ def test_other_optimizers_and_uncovered_settings():
 
 
 def test_registry_selects_it_for_the_optimizer_only_and_its_probe_compares_with_prodigyopt():
-    from flux_kernels import registry
+    from flux_kernels.runtime import registry
 
     assert registry.select("prodigy_step,lora_grad_norms", "cpu").installed == ("lora_grad_norms",)
     chosen = registry.select("prodigy_step,lora_grad_norms", "cpu", target="optimizer")
@@ -257,7 +257,7 @@ def test_registry_selects_it_for_the_optimizer_only_and_its_probe_compares_with_
 
 
 def test_the_probe_rejects_a_wrong_step(monkeypatch):
-    from flux_kernels import registry
+    from flux_kernels.runtime import registry
 
     real = prodigy.fast_step
 
@@ -273,7 +273,7 @@ def test_the_probe_rejects_a_wrong_step(monkeypatch):
 
 
 def test_runner_hook_installs_it_and_refuses_another_optimizer_only_when_named(caplog):
-    from flux_kernels.patch import KernelError
+    from flux_kernels.runtime.errors import KernelError
     from flux_trainer.sdscripts.hooks import install_optimizer_kernels
 
     opt = prodigyopt.Prodigy(make_params(), lr=1.0, **OURS)

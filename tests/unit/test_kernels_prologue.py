@@ -9,7 +9,8 @@ import importlib
 import pytest
 import torch
 
-from flux_kernels import patch, prologue, registry
+from flux_kernels.patches import patch, prologue
+from flux_kernels.runtime import registry
 from tests.conftest import tiny_flux, tiny_flux_forward
 
 FLUX_AXES, FLUX_THETA = [16, 56, 56], 10000  # FLUX.1's EmbedND

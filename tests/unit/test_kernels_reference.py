@@ -1,4 +1,4 @@
-"""flux_kernels.reference equals sd-scripts' own math, and a patched block with every switch off is sd-scripts'
+"""flux_kernels.ops.reference equals sd-scripts' own math, and a patched block with every switch off is sd-scripts'
 block bit for bit (CPU, no Triton needed). Skips with the reason when no sd-scripts checkout is found."""
 
 from __future__ import annotations
@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux_kernels import patch, reference
+from flux_kernels.ops import reference
+from flux_kernels.patches import patch, verify
+from flux_kernels.patches.blocks import find_blocks
 from tests.conftest import undoing
 
 HIDDEN, HEADS = 256, 2  # head_dim 128, as FLUX
@@ -74,9 +76,9 @@ def _blocks(fm, dtype):
 def _run_blocks(model, dtype, with_mask):
     outs = []
     for kind, block in (("double", model.double_blocks[0]), ("single", model.single_blocks[0])):
-        args = patch._verify_inputs(block, kind, "cpu", dtype, with_mask)
+        args = verify._verify_inputs(block, kind, "cpu", dtype, with_mask)
         wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        outs += patch._outs_and_grads(block.forward, None, args, wrt)
+        outs += verify._outs_and_grads(block.forward, None, args, wrt)
     return outs
 
 
@@ -95,8 +97,8 @@ def test_patched_blocks_with_switches_off_are_sd_scripts_bit_for_bit(fm, dtype):
 
 
 def test_every_block_attention_gets_a_contiguous_gradient(fm):
-    """PyTorch's cuDNN attention keeps the gradient layout of its first backward at a shape and gives wrong
-    gradients to a later call with another layout (flux_kernels.attention.heads_to_tokens); the probe uses a
+    """PyTorch's cuDNN attention keeps the gradient layout of its first backward at a shape and gives wrong gradients to
+    a later call with another layout (flux_kernels.patches.attention.backends.heads_to_tokens); the probe uses a
     contiguous one, so the patched blocks hand every attention backward a contiguous gradient, values unchanged."""
     seen = []
 
@@ -125,16 +127,16 @@ def test_every_block_attention_gets_a_contiguous_gradient(fm):
 def test_blocks_found_by_attributes_and_gradient_checkpointing_still_wraps(fm, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU without the interpreter: the reference path
     model = _blocks(fm, torch.float32)
-    double, single = patch.find_blocks(model)
+    double, single = find_blocks(model)
     assert (len(double), len(single)) == (1, 1)
-    assert patch.find_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4))) == ([], [])
+    assert find_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4))) == ([], [])
     with pytest.raises(ValueError, match="no FLUX double/single-stream blocks"):
         patch.install_block_op(torch.nn.Linear(4, 4), op="modulate")
     patch.install_block_op(model, op="modulate")
     block = model.single_blocks[0]
     block.train()
     block.enable_gradient_checkpointing()
-    args = patch._verify_inputs(block, "single", "cpu", torch.float32, False)
+    args = verify._verify_inputs(block, "single", "cpu", torch.float32, False)
     out = block(*args)
     assert out.grad_fn is not None
     patch.remove_kernels(model)
@@ -159,16 +161,16 @@ def test_verify_holds_fp8_blocks_in_bf16_and_gives_them_back_bit_for_bit(fm, mon
     fp8 = {n: (t, t.data.clone()) for n, t in model.named_parameters() if t.dtype == torch.float8_e4m3fn}
     assert len(fp8) > 10  # every base weight (the adapters are fp32)
     seen = []
-    run = patch._verify_block
-    monkeypatch.setattr(patch, "_verify_block", lambda b, *a: seen.append(next(b.parameters()).dtype) or run(b, *a))
+    run = verify._verify_block
+    monkeypatch.setattr(verify, "_verify_block", lambda b, *a: seen.append(next(b.parameters()).dtype) or run(b, *a))
     patch.install_block_op(model, op="gated_residual")
-    assert patch.verify_blocks(model) == [] and seen == [torch.bfloat16, torch.bfloat16]
+    assert verify.verify_blocks(model) == [] and seen == [torch.bfloat16, torch.bfloat16]
     for name, p in model.named_parameters():
         if name in fp8:  # the same tensors, fp8 again, the same bits
             assert p is fp8[name][0] and torch.equal(p.view(torch.uint8), fp8[name][1].view(torch.uint8)), name
     model.single_blocks[0]._flux_kernels.gated = lambda x, gate, y: x + gate * y * 1.1
     with pytest.raises(ValueError, match="double-stream block differs from sd-scripts'"):
-        patch.verify_blocks(model)
+        verify.verify_blocks(model)
     assert all(model.get_parameter(n).dtype == torch.float8_e4m3fn for n in fp8)  # given back on the error too
 
 
@@ -177,14 +179,14 @@ def test_verify_runs_bf16_blocks_with_fp32_lora_under_autocast(fm):
     _lora_like(model.double_blocks[0].img_attn.qkv)
     _lora_like(model.single_blocks[0].linear1)
     patch.install_block_op(model, op="gated_residual")
-    assert patch.verify_blocks(model) == []  # sd-scripts' forward ran (under autocast) and matched
+    assert verify.verify_blocks(model) == []  # sd-scripts' forward ran (under autocast) and matched
     model.single_blocks[0]._flux_kernels.gated = lambda x, gate, y: x + gate * y * 1.1  # shared by all blocks
     with pytest.raises(ValueError, match="double-stream block differs from sd-scripts'"):
-        patch.verify_blocks(model)
+        verify.verify_blocks(model)
 
 
 def test_rel_l2_err_is_over_the_whole_tensor_where_max_rel_err_is_one_element():
-    from flux_kernels.reference import max_rel_err, rel_l2_err
+    from flux_kernels.ops.reference import max_rel_err, rel_l2_err
 
     want = torch.ones(100, 100)
     assert rel_l2_err(want * 1.01, want) == pytest.approx(0.01, rel=1e-5)  # 1.01 in float32

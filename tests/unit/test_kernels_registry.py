@@ -13,11 +13,13 @@ import sys
 import pytest
 import torch
 
-from flux_kernels import device as devmod
-from flux_kernels import reference, registry
-from flux_kernels.device import DeviceInfo, as_device_info, family_of
-from flux_kernels.registry import REGISTRY, KernelError, KernelSpec, probe, select
-from flux_kernels.request import parse_request
+from flux_kernels.ops import reference
+from flux_kernels.runtime import applies, registry
+from flux_kernels.runtime import device as devmod
+from flux_kernels.runtime.device import DeviceInfo, as_device_info, family_of
+from flux_kernels.runtime.errors import KernelError
+from flux_kernels.runtime.registry import REGISTRY, KernelSpec, probe, select
+from flux_kernels.runtime.request import parse_request
 
 HOPPER = DeviceInfo("cuda", 0, "NVIDIA H200", (9, 0), "hopper", True, 139.8, 132)
 TURING = DeviceInfo("cuda", 0, "Tesla T4", (7, 5), "turing_or_older", False, 15.0, 40)
@@ -65,7 +67,7 @@ def test_probe_tolerance_is_per_dtype():
 
 
 def test_auto_installs_what_passes_and_skips_the_rest_with_one_log_line_each(caplog):
-    with caplog.at_level(logging.INFO, logger="flux_kernels.registry"):
+    with caplog.at_level(logging.INFO, logger="flux_kernels.runtime.registry"):
         sel = select("auto", "cpu", registry=TEST_REGISTRY)
     assert sel.installed == ("good",)
     assert [s.name for s in sel.specs] == ["good"]
@@ -133,7 +135,7 @@ def test_auto_plus_and_minus_named_kernels():
 def test_the_launcher_checks_kernel_names_without_importing_the_kernels():
     """kernels.set is checked against request.KERNEL_NAMES, the registry's names without torch._dynamo and the
     kernels' modules (~1.5 s of every launch on a 2-core CPU); the registry refuses to load if the two differ."""
-    from flux_kernels.request import KERNEL_NAMES
+    from flux_kernels.runtime.request import KERNEL_NAMES
 
     assert KERNEL_NAMES == tuple(REGISTRY)
     code = (
@@ -142,7 +144,7 @@ def test_the_launcher_checks_kernel_names_without_importing_the_kernels():
         "print(sorted(m for m in sys.modules if m.startswith(('flux_kernels.', 'torch._dynamo'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['flux_kernels.request']"
+    assert out.strip() == "['flux_kernels.runtime', 'flux_kernels.runtime.request']"
 
 
 def test_a_bad_kernel_set_is_a_config_error_before_anything_loads(compose):
@@ -203,18 +205,18 @@ def test_every_registry_entry_is_frozen_and_complete():
 
 
 def test_where_kernels_apply(monkeypatch):
-    monkeypatch.setattr(registry, "triton_available", lambda: True)
-    assert registry.triton_applies(HOPPER) == (True, "NVIDIA H200 (hopper)")
-    ok, why = registry.triton_applies(TURING)
+    monkeypatch.setattr(applies, "triton_available", lambda: True)
+    assert applies.triton_applies(HOPPER) == (True, "NVIDIA H200 (hopper)")
+    ok, why = applies.triton_applies(TURING)
     assert not ok and "sm_80" in why
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert registry.triton_applies("cpu") == (False, "needs a CUDA GPU (device is cpu)")
+    assert applies.triton_applies("cpu") == (False, "needs a CUDA GPU (device is cpu)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert registry.triton_applies("cpu")[0]
-    monkeypatch.setattr(registry, "triton_available", lambda: False)
-    assert registry.triton_applies(HOPPER) == (False, "triton is not installed (pip install triton)")
-    assert registry.compile_applies(HOPPER)[1].startswith("torch.compile's GPU backend needs triton")
-    assert registry.cuda_applies({"type": "cuda", "name": "x", "capability": [8, 9]}) == (True, "x (ada)")
+    assert applies.triton_applies("cpu")[0]
+    monkeypatch.setattr(applies, "triton_available", lambda: False)
+    assert applies.triton_applies(HOPPER) == (False, "triton is not installed (pip install triton)")
+    assert applies.compile_applies(HOPPER)[1].startswith("torch.compile's GPU backend needs triton")
+    assert applies.cuda_applies({"type": "cuda", "name": "x", "capability": [8, 9]}) == (True, "x (ada)")
 
 
 def test_device_info_without_cuda_calls():
@@ -234,7 +236,11 @@ def test_flux_kernels_works_without_triton_and_never_imports_sd_scripts_or_flux_
 import sys
 sys.modules["triton"] = None  # as if not installed
 import torch
-from flux_kernels import attention, fast, patch, reference, registry
+from flux_kernels.ops import fast, reference
+from flux_kernels.patches import patch
+from flux_kernels.patches.attention import dispatch
+from flux_kernels.runtime import registry
+from flux_kernels.runtime.errors import KernelError
 x, s = torch.randn(2, 5, 8), torch.randn(2, 1, 8)
 assert torch.equal(fast.modulate(x, s, s), reference.modulate(x, s, s))
 sel = registry.select("auto", "cpu")
@@ -245,7 +251,7 @@ for name in ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate"):
     try:
         registry.select([name], "cpu")
         raise AssertionError(name + " selected without triton")
-    except registry.KernelError as e:
+    except KernelError as e:
         assert "triton is not installed" in str(e), e
 bad = [m for m in sys.modules if m.split(".")[0] in ("flux_trainer", "library", "triton") and sys.modules[m]]
 assert not bad, bad

@@ -1,5 +1,5 @@
-"""flux_kernels.selective_checkpoint: which ops a checkpointed block keeps, the hook into sd-scripts' blocks (their
-module's `checkpoint`), and on sd-scripts' own tiny Flux, eager and compiled: the same outputs and gradients, the
+"""flux_kernels.memory.selective_checkpoint: which ops a checkpointed block keeps, the hook into sd-scripts' blocks
+(their module's `checkpoint`), and on sd-scripts' own tiny Flux, eager and compiled: the same outputs and gradients, the
 attention and the wide-input matmuls no longer recomputed in backward, their outputs kept instead."""
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flux_kernels import fp8, patch, registry
-from flux_kernels import selective_checkpoint as sac
-from flux_kernels.reference import saved_bytes
+from flux_kernels.memory import selective_checkpoint as sac
+from flux_kernels.ops.reference import saved_bytes
+from flux_kernels.patches import fp8, patch
+from flux_kernels.runtime import applies, registry
+from flux_kernels.runtime.errors import KernelError
 from tests.conftest import tiny_flux, tiny_flux_forward, undoing
 
 aten = torch.ops.aten
@@ -149,12 +151,12 @@ def test_compile_blocks_routes_plain_checkpointing_through_a_recompute_everythin
     fm, tmp_path, monkeypatch, torch_config
 ):
     """torch 2.11 missed the ops inside autograd.Functions when it tagged a plainly checkpointed region (see
-    flux_kernels.selective_checkpoint; measured on the H200 in tests/gpu). compile_blocks routes such blocks
+    flux_kernels.memory.selective_checkpoint; measured on the H200 in tests/gpu). compile_blocks routes such blocks
     through `plain_contexts`: the same gradients and saved tensors as torch's own plain checkpointing here (2.13
     does the same internally), graphs that stay in the autograd cache, and sd-scripts' `checkpoint` back after."""
     from torch._dynamo.utils import counters
 
-    from flux_kernels import compile_blocks
+    from flux_kernels.patches import compile_blocks
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch_config(torch._inductor.config, fx_graph_cache=True)
@@ -196,7 +198,7 @@ def test_install_hooks_only_the_installed_models_blocks_and_remove_restores(fm):
 
 def test_a_module_that_does_not_call_checkpoint_by_that_name_is_an_error(fm, monkeypatch):
     monkeypatch.setattr(fm, "checkpoint", lambda *a, **k: None)
-    with pytest.raises(patch.KernelError, match="does not call torch.utils.checkpoint.checkpoint"):
+    with pytest.raises(KernelError, match="does not call torch.utils.checkpoint.checkpoint"):
         sac.install(tiny_flux(fm))
 
 
@@ -227,13 +229,13 @@ def test_calls_it_does_not_own_pass_through_unchanged(monkeypatch):
 
 def test_auto_takes_it_only_where_blocks_are_checkpointed_on_the_card():
     model = torch.nn.Module()
-    assert not registry.checkpoints_blocks(model)[0]  # no checkpointing: nothing recomputed
+    assert not applies.checkpoints_blocks(model)[0]  # no checkpointing: nothing recomputed
     model.gradient_checkpointing = True
-    assert registry.checkpoints_blocks(model)[0]
+    assert applies.checkpoints_blocks(model)[0]
     model.blocks_to_swap = 8
-    assert "block swap" in registry.checkpoints_blocks(model)[1]
+    assert "block swap" in applies.checkpoints_blocks(model)[1]
     model.blocks_to_swap, model.cpu_offload_checkpointing = 0, True
-    assert "offloaded" in registry.checkpoints_blocks(model)[1]
+    assert "offloaded" in applies.checkpoints_blocks(model)[1]
 
 
 def test_torchs_in_place_warning_is_dropped_and_nothing_else():

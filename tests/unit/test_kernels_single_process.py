@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flux_kernels import single_process
+from flux_kernels.ops import single_process
 
 
 class Trainer:
@@ -58,7 +58,7 @@ def test_sd_scripts_reduce_on_one_process_is_an_identity_that_the_kernel_skips(f
 
 
 def test_the_probe_passes_here_and_fails_where_dividing_by_one_is_not_exact(monkeypatch):
-    from flux_kernels import registry
+    from flux_kernels.runtime import registry
 
     spec = registry.REGISTRY["single_process_reduce"]
     assert spec.target == "trainer"
@@ -77,7 +77,7 @@ def test_the_probe_passes_here_and_fails_where_dividing_by_one_is_not_exact(monk
 
 
 def test_runner_installs_it_under_auto_and_not_when_left_out(caplog):
-    from flux_kernels.patch import KernelError
+    from flux_kernels.runtime.errors import KernelError
     from flux_trainer.sdscripts.hooks import install_trainer_kernels
 
     trainer = Trainer()

@@ -13,8 +13,10 @@ import re
 import pytest
 import torch
 
-from flux_kernels import fast, patch, reference, registry, single_qkv
-from flux_kernels.single_qkv import reference_double_qkv, reference_single_qkv
+from flux_kernels.ops import fast, reference
+from flux_kernels.patches import patch, single_qkv, verify
+from flux_kernels.patches.single_qkv import reference_double_qkv, reference_single_qkv
+from flux_kernels.runtime import registry
 from tests.conftest import undoing
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -295,9 +297,9 @@ def _single_block_model(fm, dtype, act=None):
 
 def _run(model, dtype, kind="single"):
     block = (model.single_blocks if kind == "single" else model.double_blocks)[0]
-    args = patch._verify_inputs(block, kind, "cpu", dtype, True)
+    args = verify._verify_inputs(block, kind, "cpu", dtype, True)
     wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    return patch._outs_and_grads(block.forward, None, args, wrt)
+    return verify._outs_and_grads(block.forward, None, args, wrt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -318,7 +320,7 @@ def test_patched_block_matches_sd_scripts(fm, backward, dtype, kind):
         n_outs = 1 if kind == "single" else 2
         assert all(torch.equal(g, w) for g, w in zip(got[:n_outs], want[:n_outs], strict=True))  # same ops, order
         assert all(reference.max_rel_err(g, w) <= TOL[dtype] for g, w in zip(got, want, strict=True))
-        assert patch.verify_blocks(model) == []
+        assert verify.verify_blocks(model) == []
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
@@ -349,7 +351,7 @@ def test_a_block_whose_linear2_is_mirror_folded_takes_gelus_gradient_in_the_kern
     """With lora_fold's mirror fold on linear2 (sd-scripts' LoRA, A below W), GELU's incoming gradient is one GEMM's
     output: the single block asks single_qkv for GELU's gradient in the Triton kernel; without the fold it does
     not. Either way the block's outputs and gradients (input and LoRA factors) are sd-scripts' own."""
-    from flux_kernels import lora_fold
+    from flux_kernels.patches import lora_fold
 
     model = _single_block_model(fm, torch.float32)
     block = model.single_blocks[0].train()
@@ -360,11 +362,11 @@ def test_a_block_whose_linear2_is_mirror_folded_takes_gelus_gradient_in_the_kern
         torch.nn.init.normal_(lora.lora_up.weight, std=0.2, generator=torch.Generator().manual_seed(len(loras)))
         loras.append(lora)
     factors = [p for lo in loras for p in (lo.lora_down.weight, lo.lora_up.weight)]
-    args = patch._verify_inputs(block, "single", "cpu", torch.float32, True)
+    args = verify._verify_inputs(block, "single", "cpu", torch.float32, True)
     wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + factors
 
     def run():  # through the module's __call__: lora_fold's pre-hook moves the weights into their buffers
-        return patch._outs_and_grads(block, None, args, wrt)
+        return verify._outs_and_grads(block, None, args, wrt)
 
     want = run()
     flags = []
@@ -419,7 +421,7 @@ def test_a_block_with_another_activation_keeps_its_own_ops(fm):
 
 
 def test_it_is_not_one_of_the_fused_triton_ops_for_compile_blocks(fm):
-    from flux_kernels import compile_blocks
+    from flux_kernels.patches import compile_blocks
 
     model = _single_block_model(fm, torch.float32)
     patch.install_block_op(model, op="single_qkv")

@@ -11,16 +11,11 @@ import importlib.util
 import pytest
 import torch
 
-from flux_kernels import fast, patch, reference
-from flux_kernels.registry import (
-    TOLERANCE,
-    KernelError,
-    gated_example,
-    gated_modulate_example,
-    modulate_example,
-    qk_example,
-    unchecked,
-)
+from flux_kernels.ops import fast, reference
+from flux_kernels.patches import patch, verify
+from flux_kernels.runtime.errors import KernelError
+from flux_kernels.runtime.examples import gated_example, gated_modulate_example, modulate_example, qk_example
+from flux_kernels.runtime.registry import TOLERANCE, unchecked
 from tests.conftest import flux_block_pair, undoing
 
 
@@ -200,7 +195,7 @@ def test_compiled_blocks_use_the_reference_for_the_fused_ops(dev, fm):
     fused kernels. Compiled at two shapes, the block gives the eager patched block's numbers at both."""
     import torch._dynamo
 
-    from flux_kernels import compile_blocks
+    from flux_kernels.patches import compile_blocks
 
     model = _model(fm, torch.float32).to(dev)
     fused = ["qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
@@ -246,14 +241,14 @@ def test_patched_block_traces_without_graph_breaks(dev, fm):
     for kind, block in (("single", model.single_blocks[0]), ("double", model.double_blocks[0])):
         block.train()
         block.enable_gradient_checkpointing()
-        args = patch._verify_inputs(block, kind, dev, torch.float32, True)
+        args = verify._verify_inputs(block, kind, dev, torch.float32, True)
         explained = torch._dynamo.explain(block.forward)(*args)
         assert explained.graph_break_count == 0, (kind, explained.break_reasons)
         assert block._flux_kernels.attention.choice == {}  # tracing never probes
         torch._dynamo.reset()
     # once the run's backend is chosen (an SDPA one under sdpa_kernel), traced code uses it without graph breaks
     block = model.single_blocks[0]
-    args = patch._verify_inputs(block, "single", dev, torch.float32, True)
+    args = verify._verify_inputs(block, "single", dev, torch.float32, True)
     block.disable_gradient_checkpointing()
     block(*args)  # eager: probes this shape
     dispatch = block._flux_kernels.attention
@@ -275,11 +270,11 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from flux_kernels import tl_modulate as tm
-from flux_kernels import tl_qk_norm_rope as tq
-from flux_kernels import tl_quantize as tz
-from flux_kernels import tl_single_qkv as ts
-from flux_kernels import tl_transpose as tt
+from flux_kernels.ops import tl_modulate as tm
+from flux_kernels.ops import tl_qk_norm_rope as tq
+from flux_kernels.ops import tl_quantize as tz
+from flux_kernels.ops import tl_single_qkv as ts
+from flux_kernels.ops import tl_transpose as tt
 
 U8 = {"src_ptr", "dst_ptr"}
 F32 = {"pe_ptr", "mean_ptr", "rstd_ptr", "dqw_ptr", "dkw_ptr", "dsc_part_ptr", "dsh_part_ptr", "dg_part_ptr", "col_ptr",
@@ -307,7 +302,7 @@ def attrs(fn, consts):  # what the JIT specialises at FLUX shapes: aligned point
 
 qk = dict(D=128, BLOCK_T=2, BLOCK_H=8, RTNE=False)  # FLUX: 24 heads in groups of 8, 2 tokens per program
 row = dict(BLOCK_C=4096, RTNE=False)  # hidden 3072
-cases = [  # (kernel, constexprs, num_warps as flux_kernels._launch launches them)
+cases = [  # (kernel, constexprs, num_warps as flux_kernels.ops._launch launches them)
     (tq.qk_norm_rope_fwd, qk, 8),
     (tq.qk_norm_rope_bwd, {**qk, "COMPUTE_DW": True}, 8),
     (ts.qkv_bwd, qk, 8),
@@ -341,7 +336,7 @@ for cap in map(int, sys.argv[1:]):
 
 @pytest.mark.parametrize("rows, cols", [(37, 96), (130, 70), (3, 1000), (64, 64)])
 def test_fp8_transpose_is_the_exact_transpose(dev, rows, cols):
-    from flux_kernels import fp8
+    from flux_kernels.patches import fp8
 
     gen = torch.Generator().manual_seed(rows)
     w8 = (torch.randn(rows, cols, generator=gen) * 40).to(fp8.E4M3).to(dev)
@@ -357,7 +352,7 @@ def test_fp8_quantize_rows_op_matches_quantize_rows(dev, rows, cols, with_col):
     """The Triton row quantisation (one sweep where the row fits in a block, two otherwise) against quantize_rows,
     on a strided view with a zero row, a row reaching into e4m3's subnormals and values at its rounding ties'
     neighbourhood: the same scales and fp8 values (compared as numbers: the interpreter drops the sign of zero)."""
-    from flux_kernels import fp8
+    from flux_kernels.patches import fp8
 
     gen = torch.Generator().manual_seed(rows * cols)
     x = (torch.randn(rows, cols + 3, generator=gen) * 7).bfloat16()[:, :cols]
@@ -375,8 +370,8 @@ def test_fp8_quantize_rows_op_matches_quantize_rows(dev, rows, cols, with_col):
 def test_fp8_probe_runs_the_row_kernel_and_rejects_it_broken(dev, monkeypatch):
     """fp8_matmul's probe quantises rows wider than fp8.WIDE_ROWS, forward and backward, so on a device where the
     Triton row kernel runs, the probe runs it: a kernel returning a wrong scale is rejected."""
-    from flux_kernels import fp8
-    from flux_kernels.registry import REGISTRY, probe
+    from flux_kernels.patches import fp8
+    from flux_kernels.runtime.registry import REGISTRY, probe
     from tests.conftest import cpu_row_scales
 
     if dev.type == "cpu" and not cpu_row_scales():
@@ -421,13 +416,13 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from flux_kernels import tl_lora_norms as tn
+from flux_kernels.ops import tl_lora_norms as tn
 
 fn = tn.gram_row_norms
 sig = {n: "i32" for n in fn.arg_names} | {"u_ptr": "*fp32", "du_ptr": "*fp32", "m_ptr": "*fp64", "out_ptr": "*fp32",
                                           "scale": "fp32", "BLOCK_N": "constexpr", "R": "constexpr"}
 for cap in map(int, sys.argv[1:]):
-    for R, block in ((16, 64), (32, 32), (64, 16)):  # flux_kernels._launch.gram_row_norms' tiles
+    for R, block in ((16, 64), (32, 32), (64, 16)):  # flux_kernels.ops._launch.gram_row_norms' tiles
         triton.compile(ASTSource(fn, sig, {"BLOCK_N": block, "R": R}), target=GPUTarget("cuda", cap, 32),
                        options={"num_warps": 4})
 """
@@ -466,7 +461,7 @@ def test_interpreter_works_when_triton_was_imported_before_it_was_switched_on():
     code = (
         "import os, triton.language\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
-        "from flux_kernels.registry import REGISTRY, probe\n"
+        "from flux_kernels.runtime.registry import REGISTRY, probe\n"
         "for name in ('modulate', 'gated_residual'):  # qk_norm_rope uses the same helpers, slowly\n"
         "    r = probe(REGISTRY[name], 'cpu')\n"
         "    assert r.ok, (name, r.reason)\n"

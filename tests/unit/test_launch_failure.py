@@ -67,6 +67,11 @@ def test_a_compile_error_names_the_kernel_its_traceback_goes_through():
     # no kernel's module in the traceback (compile_blocks' own frame is where every block compiles): the blocks
     without = [line for line in _COMPILE_FAILED.splitlines() if "single_qkv" not in line]
     assert "kernels.set='auto,-compile_blocks'" in explain_failure(without, "vram80")
+    # the package's layers are folders: a kernel's module in one is named the same (Windows separators too)
+    nested = [line.replace("flux_kernels/", "flux_kernels/patches/") for line in _COMPILE_FAILED.splitlines()]
+    assert "kernels.set='auto,-single_qkv'" in explain_failure(nested, "vram80")
+    windows = [line.replace("/", "\\") for line in nested]
+    assert "kernels.set='auto,-single_qkv'" in explain_failure(windows, "vram80")
 
 
 def test_cuda_graph_replay_failing_points_at_cuda_graphs_false():

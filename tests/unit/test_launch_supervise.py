@@ -244,3 +244,64 @@ def test_progress_bar_redraws_do_not_push_real_lines_out_of_the_report(tmp_path)
     assert run_supervised([PY, "-c", script], None, tmp_path / "log", echo=out) == 2
     report = out.getvalue().split("---- last ")[1]
     assert "the real error line" in report and "steps 49/50" in report and "steps 48/50" not in report
+
+
+def test_a_child_killed_without_a_word_is_explained_as_the_out_of_memory_killer(tmp_path):
+    """Exit 137 and no traceback (the kernel's OOM killer sends SIGKILL): the cause names it and what to lower."""
+    cmd = [PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    out = io.StringIO()
+    assert run_supervised(cmd, None, tmp_path / "log", echo=out) == 137
+    text = out.getvalue()
+    assert "out-of-memory killer" in text and "train.data_loader_workers=0" in text and "not recognised" not in text
+
+
+def test_the_oom_kill_count_is_read_where_the_cgroup_has_one():
+    from flux_trainer.launch.failure import killed_message, oom_kill_count
+
+    count = oom_kill_count()
+    assert count is None or count >= 0
+    assert "count went 0 -> 1" in killed_message(0, 1, None) and "was most likely" in killed_message(None, None, None)
+
+
+SUPERVISOR_GRACEFUL = """
+import sys
+from pathlib import Path
+from flux_trainer.launch.supervise import run_supervised
+reason = lambda code: "interrupted at step 3 (SIGINT); resume=auto continues" if code == 130 else None
+sys.exit(run_supervised(sys.argv[2:], None, Path(sys.argv[1]), graceful=True, reason=reason))
+"""
+
+# A training process with a data-loader-like worker in its group: the worker dies on SIGINT (marker), the trainer
+# notes SIGINT and exits 130 once its "step" ends.
+CHILD_WITH_WORKER = """
+import signal, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import signal,sys,time\\n"
+    "def die(s, f):\\n    open(sys.argv[1], 'w').write('worker got SIGINT'); sys.exit(1)\\n"
+    "signal.signal(signal.SIGINT, die)\\ntime.sleep(30)", sys.argv[1]],
+    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # not holding the output open
+def stop(signum, frame):
+    print("trainer got SIGINT", flush=True)
+    time.sleep(0.5)
+    alive = worker.poll() is None
+    worker.kill()
+    sys.exit(130 if alive else 99)
+signal.signal(signal.SIGINT, stop)
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_graceful_first_ctrl_c_reaches_the_trainer_alone_and_its_reason_is_said(tmp_path):
+    (tmp_path / "supervisor.py").write_text(SUPERVISOR_GRACEFUL)
+    (tmp_path / "child.py").write_text(CHILD_WITH_WORKER)
+    log, marker = tmp_path / "train.log", tmp_path / "worker"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [PY, str(tmp_path / "supervisor.py"), str(log), PY, str(tmp_path / "child.py"), str(marker)]
+    sup = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(log, "ready")
+    sup.send_signal(signal.SIGINT)
+    assert sup.wait(timeout=20) == 130
+    text = log.read_text()
+    assert not marker.exists()  # the worker carried on: the step it fed could finish
+    assert "trainer got SIGINT" in text and "interrupted at step 3 (SIGINT)" in text
+    assert "stopped on request" not in text and "cause:" not in text

@@ -12,7 +12,7 @@ from flux_trainer.metrics.memory_snapshot import MemorySnapshot, peak_live, rese
 
 GIB = 2**30
 TORCH = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 10, "name": "linear"}
-FOLD = {"filename": "/repo/kernels/lora_fold.py", "line": 92, "name": "forward"}
+FOLD = {"filename": "/repo/kernels/patches/lora_fold.py", "line": 92, "name": "forward"}
 BLOCK = {"filename": "/sd/library/flux_models.py", "line": 700, "name": "_forward"}
 
 

@@ -118,7 +118,7 @@ def test_values_that_do_not_compose_stop_the_sweep_before_it_starts(workdir, cap
     err = capsys.readouterr().err
     assert err.count("+dataset=NAME") == 1 and "sweep member" not in err
     assert main(["-m", "+dataset=mychar", "network.rank=abc,16", "dry_run=true"]) == 2
-    assert "could not be converted to Integer" in capsys.readouterr().err
+    assert "network.rank=abc: must be an integer" in capsys.readouterr().err
     assert not (workdir / "runs").exists()
 
 

@@ -161,3 +161,29 @@ def test_the_guard_fails_a_test_that_leaves_torchs_config_changed(pytester, monk
         assert "fx_graph_cache no longer exists" in out, out
     assert "test_through_patch_is_fine" not in summary and "test_after_them" not in summary, out
     assert result.parseoutcomes().get("failed", 0) == 0, out  # the guard put the config back for the tests after
+
+
+def test_the_guard_reads_both_shapes_of_torchs_config_entries():
+    """torch 2.13 keeps an entry's override in a ContextVar, torch 2.11 (the GPU machine's) as a plain value: the
+    guard reads both, and a hidden (deleted) key as missing."""
+    import contextvars
+    import types
+
+    from tests import torch_config_guard as guard
+
+    pytest.importorskip("torch")
+    unset = guard.sys.modules["torch.utils._config_module"]._UNSET_SENTINEL
+
+    def entry(override, hide=False):
+        return types.SimpleNamespace(alias=None, hide=hide, user_override=override, env_value_force=unset,
+                                     env_value_default=unset, default="default")  # fmt: skip
+
+    var = contextvars.ContextVar("x", default=unset)
+    var.set("set in a ContextVar")
+    module = types.SimpleNamespace(
+        _config={"new": entry(var), "old": entry("set plainly"), "untouched": entry(unset), "gone": entry(unset, True)}
+    )
+    assert guard._read(module, "new") == "set in a ContextVar"
+    assert guard._read(module, "old") == "set plainly"
+    assert guard._read(module, "untouched") == "default"
+    assert guard._read(module, "gone") is guard._MISSING

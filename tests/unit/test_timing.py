@@ -1,4 +1,4 @@
-"""flux_kernels.timing on the CPU: warm-up calls untimed, `reps` calls per round, the median over rounds."""
+"""flux_kernels.runtime.timing on the CPU: warm-up calls untimed, `reps` calls per round, the median over rounds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from flux_kernels.timing import cold_l2_ms, median_ms, queued_ms
+from flux_kernels.runtime.timing import cold_l2_ms, median_ms, queued_ms
 
 
 def test_queued_ms_times_reps_calls_per_round_after_the_warmup():
@@ -42,7 +42,7 @@ def test_cold_l2_ms_times_single_calls_after_the_warmup_and_takes_the_median():
 def test_sustained_counts_calls_over_the_measured_seconds_and_charges_them_the_counters_joules():
     """Calls kept running for a while: the energy a call is the counter's rise over the measured calls only (not the
     settling ones), the watts that rise over the measured seconds; without a counter, time only."""
-    from flux_kernels.timing import sustained
+    from flux_kernels.runtime.timing import sustained
 
     counter = {"j": 100.0, "calls": 0}
 

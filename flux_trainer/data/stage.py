@@ -1,0 +1,185 @@
+"""The user's image folder is read, never written: sd-scripts gets a staged copy of it in flux-train's cache.
+
+sd-scripts writes its latent and text-encoder caches beside each image (`img_0512x0512_flux.npz`,
+`img_flux_te.npz`), in the user's folder. flux-train hands it `<cache>/datasets/<name>-<key>/` instead: a link to
+each usable image and caption, an upright copy of a photo with an EXIF rotation (sd-scripts reads pixels as stored,
+so it would train sideways), and a UTF-8 copy of a caption saved in another encoding. sd-scripts' caches land there.
+
+The staged folder is brought up to date at every launch (cheap: links), and its caches are dropped where what they
+were made from changed: an image edited in place (its latents), a caption edited or the trigger word / caption
+settings changed (its text-encoder outputs). sd-scripts itself would reuse both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from flux_trainer.data.check import IMAGE_EXTENSIONS, FolderCheck, caption_of, read_caption
+
+MANIFEST = ".flux-train-stage.json"
+
+
+def staged_dir(cache_dir: Path, name: str, folder: Path) -> Path:
+    key = hashlib.sha256(str(Path(folder).resolve()).encode()).hexdigest()[:12]
+    return Path(cache_dir) / "datasets" / f"{name}-{key}"
+
+
+def _key(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _link(target: Path, link: Path) -> None:
+    """`link` -> `target`, replacing whatever is there unless it already is that link."""
+    if link.is_symlink() and os.readlink(link) == str(target):
+        return
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def _write(path: Path, write) -> None:
+    """Write a file aside and rename it, so a staged copy is whole or absent."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _upright(source: Path, target: Path) -> None:
+    from PIL import Image, ImageOps
+
+    with Image.open(source) as im:
+        fmt = im.format
+        upright = ImageOps.exif_transpose(im)
+        options = {"quality": 100, "subsampling": 0} if fmt == "JPEG" else {}
+        _write(target, lambda tmp: upright.save(tmp, format=fmt, **options))
+
+
+def _drop_caches(staged: Path, stem: str, kinds: tuple[str, ...]) -> None:
+    """sd-scripts' cache files of one image: `latents` (<stem>_<WxH>_flux.npz) and/or `te` (<stem>_flux_te.npz)."""
+    for npz in staged.glob(f"{stem}_*.npz"):
+        is_te = npz.name == f"{stem}_flux_te.npz"
+        if ("te" in kinds and is_te) or ("latents" in kinds and not is_te):
+            with contextlib.suppress(FileNotFoundError):
+                npz.unlink()
+
+
+def stage(
+    check: FolderCheck,
+    name: str,
+    cache_dir: Path,
+    caption_extension: str = ".txt",
+    te_key: str = "",
+    latents_key: str = "",
+) -> Path:
+    """The staged folder for `check`'s usable images, up to date. `te_key`: what shapes the text-encoder outputs
+    (the text encoders' files, the trigger word, caption options); `latents_key`: what shapes the latents (the AE's
+    file): when one changes, every cache of that kind is dropped."""
+    staged = staged_dir(cache_dir, name, check.folder)
+    staged.mkdir(parents=True, exist_ok=True)
+    lock = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs of one dataset stage it one after the other
+        _stage_locked(check, staged, caption_extension, te_key, latents_key)
+    finally:
+        os.close(lock)
+    return staged
+
+
+def _stage_locked(check: FolderCheck, staged: Path, caption_extension: str, te_key: str, latents_key: str) -> None:
+    manifest_path = staged / MANIFEST
+    try:
+        before = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        before = {}
+    old = before.get("files", {})
+    te_changed = before.get("te_key") != te_key
+    latents_changed = before.get("latents_key") != latents_key
+    now: dict[str, dict] = {}
+    for image in check.usable():
+        source = check.folder / image
+        result = check.images[image]
+        stem = os.path.splitext(image)[0]
+        entry = {"image": _key(source), "orientation": result.orientation}
+        previous = old.get(image, {})
+        target = staged / image
+        if previous.get("image") != entry["image"] or previous.get("orientation") != entry["orientation"]:
+            _drop_caches(staged, stem, ("latents", "te"))
+        elif latents_changed:
+            _drop_caches(staged, stem, ("latents",))
+        if result.orientation == 1:
+            _link(source, target)
+        elif previous.get("image") != entry["image"] or target.is_symlink() or not target.exists():
+            _upright(source, target)
+        caption = caption_of(check, image, caption_extension)
+        if caption is not None:
+            source_caption = check.folder / caption
+            entry["caption"] = _key(source_caption)
+            if check.captions[caption].encoding == "utf-8":
+                _link(source_caption, staged / caption)
+            elif previous.get("caption") != entry["caption"] or (staged / caption).is_symlink():
+                text, _ = read_caption(source_caption.read_bytes())
+                _write(staged / caption, lambda tmp, t=text: tmp.write_text(t, encoding="utf-8"))
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                (staged / (stem + caption_extension)).unlink()
+        if te_changed or previous.get("caption") != entry.get("caption"):
+            _drop_caches(staged, stem, ("te",))
+        now[image] = entry
+    for image in set(old) - set(now):  # gone from the user's folder (or now unusable): gone from the stage
+        stem = os.path.splitext(image)[0]
+        for path in (staged / image, staged / (stem + caption_extension)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        _drop_caches(staged, stem, ("latents", "te"))
+    body = {"folder": str(check.folder), "te_key": te_key, "latents_key": latents_key, "files": now}
+    _write(manifest_path, lambda tmp: tmp.write_text(json.dumps(body, indent=1), encoding="utf-8"))
+
+
+MAX_LISTED = 20  # bad files named in one refusal; the rest counted
+
+
+def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tuple[Path, list[str]]:
+    """A run's dataset checked and staged: (the staged folder for sd-scripts, notes to show). ConfigError naming
+    every bad file (up to MAX_LISTED), or a batch the dataset cannot fill."""
+    from flux_trainer.config.errors import ConfigError
+    from flux_trainer.data.check import check_folder
+
+    folder = Path(str(dataset.images)).expanduser()
+    check = check_folder(folder, dataset.caption_extension, cache_dir)
+    problems = check.problems()
+    if problems:
+        more = f" ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+        listed = problems[:MAX_LISTED]
+        listed[-1] += more
+        listed.append(f"dataset '{dataset.name}': fix or remove the file(s) above (nothing was started)")
+        raise ConfigError(listed)
+    usable = len(check.usable())
+    if usable == 0:
+        raise ConfigError(f"dataset '{dataset.name}': {check.folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")
+    if batch_size > usable:
+        raise ConfigError(
+            f"train.batch_size={batch_size} is larger than dataset '{dataset.name}' ({usable} images): sd-scripts "
+            f"would train smaller batches than that; use train.batch_size={usable} or less"
+        )
+    te_key = json.dumps(
+        [
+            str(model.clip_l),
+            str(model.t5xxl),
+            model.get("t5xxl_max_token_length"),
+            dataset.trigger,
+            dataset.keep_tokens,
+            dataset.caption_extension,
+        ]  # fmt: skip
+    )
+    latents_key = json.dumps([str(model.ae), bool(dataset.flip_aug)])
+    staged = stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key)
+    return staged, check.notes()

@@ -1,0 +1,3 @@
+"""Memory strategies: what checkpointed blocks keep for their backward, and where. `selective_checkpoint` (keep the
+outputs that cost the most to recompute), `activation_offload` (what they keep waits in page-locked host memory),
+`l2` (L2 persistence windows: measured, not installed)."""

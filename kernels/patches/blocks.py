@@ -1,0 +1,58 @@
+"""What a FLUX block is, and where a patched one keeps its switches.
+
+Blocks are found by what they have, not by importing sd-scripts: a double-stream block has `img_mod`, `txt_mod`,
+`img_attn`, `txt_attn`, `img_mlp`, `txt_mlp`; a single-stream block has `linear1`, `linear2`, `pre_norm`,
+`modulation`, `norm` (and the signature of its class's `_forward`). Everything that installs into the blocks
+(`patch`, `compile_blocks`, the memory strategies) finds them here.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+ATTR = "_flux_kernels"
+BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention", "single_qkv", "double_qkv")
+TRITON_BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate")  # fast.py's fused Triton ops
+DOUBLE_ATTRS = ("img_mod", "txt_mod", "img_norm1", "txt_norm1", "img_attn", "txt_attn", "img_norm2", "txt_norm2",
+                "img_mlp", "txt_mlp", "num_heads")  # fmt: skip
+DOUBLE_PARAMS = ("self", "img", "txt", "vec", "pe", "txt_attention_mask")
+SINGLE_PARAMS = ("self", "x", "vec", "pe", "txt_attention_mask")
+SINGLE_ATTRS = ("linear1", "linear2", "pre_norm", "modulation", "norm", "mlp_act", "hidden_size", "mlp_hidden_dim",
+                "num_heads")  # fmt: skip
+
+
+def _is_plain_layernorm(m) -> bool:
+    return isinstance(m, nn.LayerNorm) and m.weight is None and m.bias is None
+
+
+def _forward_params(m: nn.Module) -> tuple[str, ...]:
+    fn = getattr(type(m), "_forward", None)
+    try:
+        return tuple(inspect.signature(fn).parameters) if fn is not None else ()
+    except (TypeError, ValueError):
+        return ()
+
+
+def block_kind(m: nn.Module) -> str | None:
+    """ "double", "single" or None, by attributes and by the signature of the class's `_forward` (sd-scripts'
+    classes are never imported; a block of another shape, e.g. Chroma's, is left alone)."""
+    params = _forward_params(m)
+    if all(hasattr(m, a) for a in DOUBLE_ATTRS) and params == DOUBLE_PARAMS:
+        norms = (m.img_norm1, m.txt_norm1, m.img_norm2, m.txt_norm2)
+        return "double" if all(_is_plain_layernorm(n) for n in norms) else None
+    if all(hasattr(m, a) for a in SINGLE_ATTRS) and params == SINGLE_PARAMS:
+        return "single" if _is_plain_layernorm(m.pre_norm) else None
+    return None
+
+
+def find_blocks(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    double, single = [], []
+    for m in model.modules():
+        kind = block_kind(m)
+        if kind == "double":
+            double.append(m)
+        elif kind == "single":
+            single.append(m)
+    return double, single

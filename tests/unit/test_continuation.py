@@ -1,0 +1,232 @@
+"""flux_trainer.sdscripts.continuation without sd-scripts: states written whole or not at all, a full disk named, the
+run's step in names and files, the resume position of the data, per-step seeds, and a stop honoured between steps.
+The real thing, through sd-scripts on the CPU, is in tests/integration/test_resume_cpu.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import signal
+import types
+
+import pytest
+import torch
+
+from flux_trainer.sdscripts import continuation as cont
+from flux_trainer.sdscripts.resume import state_problem
+from tests.conftest import undoing
+
+
+class FakeAccelerator:
+    gradient_accumulation_steps = 1
+
+    def __init__(self, fail=None):
+        self.dataloader_config = types.SimpleNamespace(use_seedable_sampler=False)
+        self.fail, self.loaded = fail, []
+
+    def save_state(self, output_dir):
+        from pathlib import Path
+
+        out = Path(output_dir)
+        out.mkdir(parents=True)
+        (out / "train_state.json").write_text(json.dumps({"current_epoch": 2, "current_step": 3}))
+        (out / "optimizer.bin").write_bytes(b"o" * 100)
+        if self.fail is not None:
+            raise self.fail
+        (out / "model.safetensors").write_bytes(b"m" * 10)
+
+    def load_state(self, input_dir):
+        self.loaded.append(input_dir)
+
+    def prepare(self, *objects):
+        return objects if len(objects) > 1 else objects[0]
+
+
+def made(tmp_path, resume=None, **kw):
+    c = cont.Continuation(str(resume) if resume else None, seed=7, output_name="mine", **kw)
+    acc = FakeAccelerator()
+    c.accelerator_ready(acc)
+    return c, acc
+
+
+def test_a_state_appears_only_complete_and_stamped_with_the_runs_step(tmp_path):
+    c, acc = made(tmp_path)
+    c.micro = 5  # five steps of this process
+    final = tmp_path / "mine-step00000005-state"
+    acc.save_state(str(final))
+    assert not list(tmp_path.glob(f"*{cont.PARTIAL}"))
+    stamp = json.loads((final / cont.STATE_MARKER).read_text())
+    assert stamp["step"] == 5 and set(stamp["files"]) == {"train_state.json", "optimizer.bin", "model.safetensors"}
+    assert json.loads((final / "train_state.json").read_text())["current_step"] == 5  # sd-scripts wrote 3
+    assert state_problem(final) is None and cont.state_step(final) == (5, 2)
+    assert acc.dataloader_config.use_seedable_sampler  # batch order from (seed, epoch)
+
+
+def test_a_failed_save_leaves_nothing_and_a_full_disk_says_where_and_what_to_do(tmp_path):
+    c, acc = made(tmp_path)
+    c.micro = 5
+    good = tmp_path / "mine-step00000005-state"
+    acc.save_state(str(good))
+    acc.fail = OSError(errno.ENOSPC, "No space left on device")
+    c.micro = 10
+    bad = tmp_path / "mine-step00000010-state"
+    with pytest.raises(cont.DiskFull) as info:
+        acc.save_state(str(bad))
+    text = str(info.value)
+    assert str(bad) in text and "GiB free on" in text and "resume=auto" in text and str(good) in text
+    assert not bad.exists() and not list(tmp_path.glob(f"*{cont.PARTIAL}"))
+    assert state_problem(good) is None  # the state before is untouched
+    acc.fail = KeyboardInterrupt()  # a second Ctrl-C mid-save: no half state either, and not called a full disk
+    with pytest.raises(KeyboardInterrupt):
+        acc.save_state(str(bad))
+    assert not bad.exists() and not list(tmp_path.glob(f"*{cont.PARTIAL}"))
+
+
+def test_torchs_zip_writer_failing_on_a_full_disk_is_a_full_disk(tmp_path, monkeypatch):
+    err = RuntimeError("PytorchStreamWriter failed writing file data/3: file write failed")
+    monkeypatch.setattr(cont.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=1024, total=1, used=1))
+    assert cont.is_disk_full(err, tmp_path)
+    monkeypatch.setattr(cont.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=2**40, total=1, used=1))
+    assert not cont.is_disk_full(err, tmp_path)
+
+
+def test_lora_files_are_written_aside_and_carry_the_runs_step(tmp_path):
+    state = tmp_path / "mine-step00000040-state"
+    state.mkdir()
+    (state / "train_state.json").write_text(json.dumps({"current_epoch": 1, "current_step": 40}))
+    c, acc = made(tmp_path, resume=state)
+    seen = {}
+
+    class Net:
+        def save_weights(self, file, dtype, metadata):
+            seen["file"], seen["metadata"] = file, metadata
+            with open(file, "wb") as f:
+                f.write(b"lora")
+
+    net = Net()
+    acc.prepare(net, "optimizer")
+    net.save_weights(str(tmp_path / "mine.safetensors"), None, {"ss_steps": "5"})
+    assert seen["file"].endswith(f"{cont.PARTIAL}.safetensors") and seen["metadata"]["ss_steps"] == "45"
+    assert (tmp_path / "mine.safetensors").read_bytes() == b"lora" and not list(tmp_path.glob(f"*{cont.PARTIAL}*"))
+
+
+def fake_train_util(calls):
+    tu = types.SimpleNamespace()
+    tu.get_step_ckpt_name = lambda args, ext, step_no: f"mine-step{step_no:08d}{ext}"
+    tu.save_and_remove_state_stepwise = lambda args, acc, step_no: calls.append(("state", step_no))
+
+    def get_remove_step_no(args, step_no):
+        r = step_no - 2 * args.save_every_n_steps
+        return r if r > 0 else None
+
+    tu.get_remove_step_no = get_remove_step_no
+    return types.SimpleNamespace(train_util=tu)
+
+
+def test_names_and_saves_get_the_runs_step_and_are_put_back(tmp_path):
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / "train_state.json").write_text(json.dumps({"current_epoch": 3, "current_step": 15}))
+    calls = []
+    mods = fake_train_util(calls)
+    original = mods.train_util.get_step_ckpt_name
+    c = cont.Continuation(str(state), 1, "mine")
+    c.install(mods)
+    args = types.SimpleNamespace(save_every_n_steps=5)
+    tu = mods.train_util
+    assert tu.get_step_ckpt_name(args, ".safetensors", 5) == "mine-step00000020.safetensors"
+    tu.save_and_remove_state_stepwise(args, None, 5)
+    assert calls == [("state", 20)]
+    removed = tu.get_remove_step_no(args, 5)  # the run's step 20 removes the run's step 10
+    assert tu.get_step_ckpt_name(args, "", removed) == "mine-step00000010"
+    assert c.run_step(5) == 20
+    c.remove()
+    assert mods.train_util.get_step_ckpt_name is original
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class FakeLoader:
+    def __init__(self, batches):
+        self.batches, self.iteration, self.skip_batches = batches, 0, 0
+        self.base_dataloader = object()
+        self.dataset = types.SimpleNamespace(epochs=[], set_current_epoch=lambda e: self.dataset.epochs.append(e))
+
+    def __len__(self):
+        return self.batches
+
+
+@pytest.mark.parametrize("step, epoch, skip", [(5, 0, 5), (6, 1, 0), (15, 2, 3), (18, 3, 0)])
+def test_a_resumed_loader_starts_at_the_states_epoch_and_batch(tmp_path, step, epoch, skip):
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / "train_state.json").write_text(json.dumps({"current_epoch": epoch + 1, "current_step": step}))
+    c, acc = made(tmp_path, resume=state)
+    loader = FakeLoader(6)
+    acc.prepare(object(), loader, FakeLoader(2))  # the training loader comes before the validation one
+    acc.load_state(str(state))
+    assert (loader.iteration, loader.skip_batches) == (epoch, skip)
+    assert loader.dataset.epochs == [epoch]  # sd-scripts' bucket shuffles replayed to that epoch
+    args = types.SimpleNamespace(max_train_steps=40)
+    c.step_start(args)
+    assert args.max_train_steps == 40 - step and loader.skip_batches == 0  # sd-scripts counts from 0
+
+
+def test_each_micro_batch_is_seeded_by_the_runs_step_whatever_came_before(tmp_path):
+    def draws(resume_at, steps):
+        state = None
+        if resume_at:
+            state = tmp_path / f"s{resume_at}"
+            state.mkdir(exist_ok=True)
+            (state / "train_state.json").write_text(json.dumps({"current_epoch": 1, "current_step": resume_at}))
+        c = cont.Continuation(str(state) if state else None, 3, "mine")
+        out = []
+        torch.manual_seed(999)  # whatever state the process is in
+        for _ in range(steps):
+            c.step_start(types.SimpleNamespace(max_train_steps=100))
+            out.append(torch.rand(2).tolist())
+        return out
+
+    whole = draws(0, 10)
+    assert draws(6, 4) == whole[6:]
+    assert len({tuple(x) for x in whole}) == 10
+
+
+def test_a_stop_request_ends_the_run_after_a_whole_step_with_a_state(tmp_path):
+    calls = []
+    mods = fake_train_util(calls)
+    c = cont.Continuation(None, 1, "mine")
+    c.install(mods)
+    with undoing(c.remove):
+        c.accelerator = FakeAccelerator()
+        with pytest.raises(KeyboardInterrupt):  # before the first step: nothing to save, stop now
+            c._on_signal(signal.SIGINT, None)
+        args = types.SimpleNamespace(max_train_steps=40)
+        for _ in range(7):
+            c.step_start(args)
+        c._on_signal(signal.SIGTERM, None)
+        with pytest.raises(cont.Interrupted) as info:
+            c.step_start(args)
+        assert info.value.step == 7 and calls == [("state", 7)] and "resume=auto continues" in str(info.value)
+        with pytest.raises(KeyboardInterrupt):  # asked twice: stop at once
+            c._on_signal(signal.SIGINT, None)
+
+
+def test_with_gradient_accumulation_the_stop_waits_for_the_optimizer_step(tmp_path):
+    c = cont.Continuation(None, 1, "mine")
+    c.accumulation = 4
+    args = types.SimpleNamespace(max_train_steps=40)
+    for _ in range(6):  # one whole step and half of the next
+        c.step_start(args)
+    c.stop_signal = "SIGINT"
+    c.step_start(args)
+    c.step_start(args)  # the second step's last two micro-batches still run
+    with pytest.raises(cont.Interrupted) as info:
+        c.step_start(args)
+    assert info.value.step == 2
+
+
+def test_several_processes_keep_the_default_signal_handling(tmp_path):
+    c = cont.Continuation(None, 1, "mine", processes=2)
+    c.install(fake_train_util([]))
+    with undoing(c.remove):
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
