@@ -2,8 +2,9 @@
 
 sd-scripts meets a bad file mid-run (a truncated PNG, a zero-byte .jpg, a text file named .png: a traceback after
 the run dir exists; a 1x1 image: ZeroDivisionError naming no file; a UTF-16 caption: UnicodeDecodeError). Here each
-image is opened and decoded, measured (short side at least MIN_SIDE pixels, as a viewer shows it: EXIF rotation
-applied), and each caption is read as text; every problem names its file, all of them in one refusal.
+image is read through (PNG: every chunk's checksum; JPEG and others: decoded), measured (short side at least
+MIN_SIDE pixels, as a viewer shows it: EXIF rotation applied), and each caption is read as text; every problem names
+its file, all of them in one refusal.
 
 A folder of 1,000 images is decoded once: results are kept per file, keyed by its size and modification time, in
 flux-train's cache (`<cache>/datacheck/`), so a launch re-reads only the files that changed. Large uncached folders
@@ -83,9 +84,16 @@ def check_image(path: str) -> ImageResult:
         if os.path.getsize(path) == 0:
             return ImageResult(problem="empty file (0 bytes)")
         with Image.open(path) as im:
-            orientation = int(im.getexif().get(0x0112, 1) or 1)
+            png = im.format == "PNG"
+            if png:
+                im.verify()  # every chunk's CRC: truncated (IEND too) or damaged data fails, ~15x cheaper than decoding
+        with Image.open(path) as im:
+            orientation = _orientation(im, png)
             w, h = im.size
-            im.load()  # decodes every byte: a truncated or damaged file fails here, not mid-training
+            if not png:
+                if im.format == "JPEG":  # decoded at 1/8 scale: every byte is still read, ~30% less time
+                    im.draft("RGB", (max(1, w // 8), max(1, h // 8)))
+                im.load()  # decodes every byte: a truncated or damaged file fails here, not mid-training
     except UnidentifiedImageError:
         return ImageResult(problem="not an image PIL can read (wrong extension, or not an image at all)")
     except (OSError, SyntaxError, ValueError) as exc:  # truncated, damaged, unreadable (PIL raises all three)
@@ -97,6 +105,21 @@ def check_image(path: str) -> ImageResult:
     if min(w, h) < MIN_SIDE:
         return ImageResult(w, h, orientation, f"{w}x{h} pixels: the short side must be at least {MIN_SIDE}")
     return ImageResult(w, h, orientation if 1 <= orientation <= 8 else 1)
+
+
+def _orientation(im, png: bool) -> int:
+    """The EXIF orientation tag (1 where none). A PNG's getexif() decodes the whole image to look for an eXIf chunk
+    after the pixels; one before them (where writers put it) is already in `info`, and that is read alone."""
+    from PIL import Image
+
+    if png:
+        data = im.info.get("exif")
+        if not data:
+            return 1
+        exif = Image.Exif()
+        exif.load(data)
+        return int(exif.get(0x0112, 1) or 1)
+    return int(im.getexif().get(0x0112, 1) or 1)
 
 
 def read_caption(data: bytes) -> tuple[str, str]:
