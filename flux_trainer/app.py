@@ -21,13 +21,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from flux_trainer.config import ConfigError
-from flux_trainer.config.paths import cache_root, model_cache, shipped_config_dir
+from flux_trainer.config.paths import cache_root, model_cache
+from flux_trainer.config.tiers import resolve_memory
 from flux_trainer.config.validate import (
-    combo_kernels_decision,
     cuda_graphs_decision,
     cuda_graphs_setting,
     fp8_keep_transposed_decision,
-    offload_views_decision,
     tier_gib,
     validate,
 )
@@ -43,35 +42,10 @@ from flux_trainer.sdscripts.translate import RunPaths, sample_prompts_text, trac
 
 log = logging.getLogger("flux_trainer")
 TOKENIZER_ENV = "FLUX_TRAIN_TOKENIZER_DIR"
-# memory=auto: the largest tier whose VRAM (GiB) the card has, with a little headroom for the driver.
-TIER_VRAM = (("vram80", 78), ("vram48", 46), ("vram32", 30), ("vram24", 22), ("vram16", 15), ("vram12", 11))
 
 
 def say(msg: str) -> None:
     print(f"[flux-train] {msg}", flush=True)
-
-
-def tier_for_vram(vram_gib: float | None) -> str:
-    if vram_gib is None:
-        return "cpu"
-    for tier, need in TIER_VRAM:
-        if vram_gib >= need:
-            return tier
-    return "vram12"
-
-
-def resolve_memory(cfg: DictConfig, info) -> None:
-    """memory=auto: the tier file for this card's VRAM, under any memory.* key the user set on the command line
-    (a value that differs from auto.yaml's placeholder is the user's and is kept)."""
-    if cfg.memory.tier != "auto":
-        return
-    tier = tier_for_vram(info.vram_gib if info.family != "cpu" else None)
-    memory_dir = shipped_config_dir() / "memory"
-    placeholders = OmegaConf.load(memory_dir / "auto.yaml")
-    users = {k: v for k, v in cfg.memory.items() if k != "tier" and placeholders.get(k) != v}
-    cfg.memory = OmegaConf.merge(cfg.memory, OmegaConf.load(memory_dir / f"{tier}.yaml"), users)
-    has = f"has {info.vram_gib:.0f} GiB" if info.vram_gib and info.family != "cpu" else "is no GPU"
-    say(f"memory=auto: {info.name} {has} -> memory={tier}")
 
 
 def checkpoint_skip_spec(cfg: DictConfig) -> dict:
@@ -139,12 +113,11 @@ def prepare(
         ok, why = launch_device.arch_supported(info)
         if not ok:
             raise ConfigError(why)
-    resolve_memory(cfg, info)
+    if said := resolve_memory(cfg, info):
+        say(said)
     cuda_graphs = cuda_graphs_decision(cfg, gpu=info.is_gpu)
     cuda_graphs_asked = cuda_graphs_setting(cfg) == "true"
     fp8_keep_transposed = fp8_keep_transposed_decision(cfg)
-    combo_kernels = combo_kernels_decision(cfg)
-    offload_views = offload_views_decision(cfg)
     absolute_paths(cfg)
     try:
         checkout = sd_checkout.locate(cfg.sd_scripts)
@@ -230,8 +203,6 @@ def prepare(
                 "cuda_graphs": cuda_graphs,
                 "cuda_graphs_asked": cuda_graphs_asked,
                 "fp8_keep_transposed": fp8_keep_transposed,
-                "combo_kernels": combo_kernels,
-                "offload_views": offload_views,
             },
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
@@ -289,8 +260,8 @@ def _profile_options(cfg: DictConfig) -> dict:
 def _flops_options(cfg: DictConfig) -> dict:
     """FLOPs of one step for throughput/tflops (the random tiny preset's shapes differ from FLUX.1-dev)."""
     try:
+        from flux_trainer.config.random_specs import PRESETS
         from flux_trainer.metrics.flops import flux_step_flops, img_tokens_for
-        from flux_trainer.random_specs import PRESETS
     except ImportError:
         return {}
     shape = PRESETS.get(cfg.model.get("random_preset") or "full", PRESETS["full"])["flux"]
@@ -354,7 +325,7 @@ def _verbose() -> bool:
 
 def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
     """The header, the training child (its output to train.log, one progress line on the terminal), the summary."""
-    from flux_trainer.sweep import effective_batch_line
+    from flux_trainer.commands.sweep import effective_batch_line
 
     info = info or launch_device.detect_device()
     root = Path(cfg.logging.root).resolve()

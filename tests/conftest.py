@@ -176,7 +176,7 @@ def tiny_flux(fm, **shapes):
 
     import torch
 
-    from flux_trainer.random_specs import PRESETS
+    from flux_trainer.config.random_specs import PRESETS
 
     torch.manual_seed(0)
     return fm.Flux(dataclasses.replace(fm.configs["dev"].params, **{**PRESETS["tiny"]["flux"], **shapes}))

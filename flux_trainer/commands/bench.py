@@ -316,8 +316,8 @@ def numerics_table(results: list[BenchResult]) -> str:
 
 def bench_dataset(resolution: int) -> tuple[Path, str]:
     """4 generated captioned images at the resolution, and a dataset config naming them."""
-    from flux_trainer.datasets import write_dataset_config
-    from flux_trainer.demo import make_demo_dataset
+    from flux_trainer.commands.dataset import write_dataset_config
+    from flux_trainer.commands.demo import make_demo_dataset
 
     root = cache_root() / "bench"
     images = make_demo_dataset(root / f"images-{resolution}", n=4, size=resolution)
@@ -345,7 +345,7 @@ def cases(presets: list[str], kernels: list[str], resolutions: list[int]) -> lis
 
 
 def run_case(name: str, overrides: list[str], res: int, ns: argparse.Namespace, root: Path) -> BenchResult:
-    from flux_trainer.cli import run_training
+    from flux_trainer.commands.train import run_training
     from flux_trainer.config.paths import user_config_dirs
 
     configs, dataset = bench_dataset(res)

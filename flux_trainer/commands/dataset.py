@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,3 +119,25 @@ def write_dataset_config(
     tmp.write_text("\n".join(body) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def dataset_init(ns: argparse.Namespace) -> int:
+    from flux_trainer.config.paths import CONFIG_DIR_ENV
+
+    config_dir = ns.config_dir or (
+        Path(os.environ[CONFIG_DIR_ENV]) if os.environ.get(CONFIG_DIR_ENV) else Path("configs")
+    )
+    report = describe_folder(ns.images)
+    print(report.text())
+    path = write_dataset_config(
+        config_dir,
+        ns.name,
+        ns.images,
+        trigger=ns.trigger,
+        resolution=ns.resolution,
+        repeats=ns.repeats,
+        force=ns.force,
+        report=report,
+    )
+    print(f"wrote {path}\nnext: flux-train +dataset={ns.name} dry_run=true")
+    return 0

@@ -123,3 +123,39 @@ def make_demo_dataset(folder: Path, n: int = 8, size: int = 256, seed: int = 0) 
         _atomic_write(folder / f"{stem}.txt", lambda p, item=item: p.write_text(caption(item) + "\n"))
     _atomic_write(manifest, lambda p: p.write_text(json.dumps(params) + "\n"))
     return folder
+
+
+def demo_dir() -> Path:
+    from flux_trainer.config.paths import cache_root
+
+    return cache_root() / "demo"
+
+
+def demo_command(extra: list[str]) -> int:
+    """Generated images + the tiny random model, a few steps: the whole product with no downloads."""
+    from flux_trainer.commands.dataset import write_dataset_config
+    from flux_trainer.commands.train import run_training
+    from flux_trainer.config.paths import user_config_dirs
+
+    images = make_demo_dataset(demo_dir() / "images", n=8, size=128)
+    configs = demo_dir() / "configs"
+    write_dataset_config(
+        configs,
+        "demo",
+        images,
+        trigger="demo",
+        resolution=128,
+        repeats=1,
+        force=True,
+        extra={"min_bucket_reso": 64, "max_bucket_reso": 256},
+    )
+    overrides = [
+        "+dataset=demo",
+        "model=random_tiny",
+        "train.max_steps=4",
+        "train.save_every_n_steps=2",
+        "train.data_loader_workers=0",
+        *extra,
+    ]
+    print("[flux-train] demo: RANDOM tiny FLUX on 8 generated images; it shows the pipeline, not a useful LoRA")
+    return run_training(overrides, [*user_config_dirs(), configs])

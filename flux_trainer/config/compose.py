@@ -7,8 +7,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from flux_trainer.config.paths import model_cache, shipped_config_dir, user_config_dirs
+from flux_trainer.config.random_specs import preset_file
 from flux_trainer.config.schema import register_configs
-from flux_trainer.random_specs import preset_file
 
 _registered = False
 

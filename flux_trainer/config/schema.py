@@ -108,8 +108,9 @@ class KernelsConfig:
     attention: str = "sdpa"  # sdpa | xformers
     cuda_graphs: str = "auto"  # auto | true | false: the compiled blocks replay from CUDA graphs (see validate)
     fp8_keep_transposed: str = "auto"  # auto | true | false: fp8_matmul keeps its weights' transposes (see validate)
-    combo_kernels: bool = False  # the compiled blocks launch independent small kernels as one (see validate)
-    offload_views: bool = False  # activation_offload takes views with gaps to the host too (see validate)
+    # removed, measured to buy nothing: accepted for one release with a warning (config.validate.REMOVED_KEYS)
+    combo_kernels: bool | None = None
+    offload_views: bool | None = None
 
 
 @dataclass

@@ -30,7 +30,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from flux_trainer.config.errors import ConfigError
-from flux_trainer.doctor_core import FAIL, PASS, SKIP, STATUSES, WARN, CheckResult, exit_code, one_line
+from flux_trainer.doctor.core import FAIL, PASS, SKIP, STATUSES, WARN, CheckResult, exit_code, one_line
 from flux_trainer.launch.device import DeviceInfo
 
 __all__ = ["CheckResult", "doctor_main", "exit_code", "fast_checks", "render_json", "render_table", "run_doctor"]
@@ -69,7 +69,10 @@ def fast_checks(cfg: DictConfig, info: DeviceInfo, env: Mapping[str, str] | None
     """What runs in about a second and touches no GPU kernel: card / driver / torch build (arch list), sd-scripts
     and its dependency versions, model files (headers only), cache disk space, environment variables.
     Training calls this before launching and stops when any row is a fail."""
-    from flux_trainer import doctor_disk, doctor_env, doctor_gpu, doctor_models
+    from flux_trainer.doctor import disk as doctor_disk
+    from flux_trainer.doctor import env as doctor_env
+    from flux_trainer.doctor import gpu as doctor_gpu
+    from flux_trainer.doctor import models as doctor_models
 
     env = os.environ if env is None else env
     rows = _guard("gpu", "gpu", lambda: doctor_gpu.identity_checks(info))
@@ -112,7 +115,9 @@ def run_doctor(
 ) -> list[CheckResult]:
     """Every check, in the order of the table: GPU, attention and kernels, sd-scripts, models, disk, env, config,
     then the speed check when asked for."""
-    from flux_trainer import doctor_attention, doctor_gpu, doctor_speed
+    from flux_trainer.doctor import attention as doctor_attention
+    from flux_trainer.doctor import gpu as doctor_gpu
+    from flux_trainer.doctor import speed as doctor_speed
 
     fast = fast_checks(cfg, info, env)
     gpu = [r for r in fast if r.group == "gpu"]

@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from flux_trainer.doctor_core import FAIL, PASS, SKIP, WARN, CheckResult, one_line
+from flux_trainer.doctor.core import FAIL, PASS, SKIP, WARN, CheckResult, one_line
 
 GROUP_ATTENTION, GROUP_KERNELS = "attention", "kernels"
 FLUX_SHAPE = (1, 24, 4096 + 512, 128)  # 1024x1024: 4096 image tokens + 512 T5 tokens, FLUX.1's 24 heads of 128

@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from flux_trainer.data.check import IMAGE_EXTENSIONS
-from flux_trainer.doctor_core import FAIL, PASS, SKIP, WARN, CheckResult, gib, one_line
+from flux_trainer.doctor.core import FAIL, PASS, SKIP, WARN, CheckResult, gib, one_line
 
 GROUP = "disk"
 LATENT_CHANNELS, T5_DIM, CLIP_POOLED = 16, 4096, 768

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from importlib import metadata
 
 from flux_trainer.config.errors import ConfigError
-from flux_trainer.doctor_core import FAIL, PASS, WARN, CheckResult
+from flux_trainer.doctor.core import FAIL, PASS, WARN, CheckResult
 from flux_trainer.launch.device import DeviceInfo
 
 GROUP_SD, GROUP_ENV = "sd-scripts", "env"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from flux_trainer.doctor_core import FAIL, PASS, SKIP, WARN, CheckResult, one_line
+from flux_trainer.doctor.core import FAIL, PASS, SKIP, WARN, CheckResult, one_line
 from flux_trainer.launch import device as launch_device
 from flux_trainer.launch.device import DeviceInfo, arch_supported
 

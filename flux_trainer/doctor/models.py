@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flux_trainer.doctor_core import FAIL, PASS, WARN, CheckResult, one_line
+from flux_trainer.doctor.core import FAIL, PASS, WARN, CheckResult, one_line
 
 GROUP = "models"
 MAX_HEADER = 100 * 2**20  # the safetensors library refuses headers over 100 MB as well
@@ -324,14 +324,15 @@ def model_part_check(
 
 def effective_fp8_base(cfg, info=None) -> bool:
     """fp8 base weights as the run will have them: memory=auto picks the tier for this card's VRAM first (as
-    `flux_trainer.app.resolve_memory` does: the tier's value wins), else memory.fp8_base, else the precision."""
+    `flux_trainer.config.tiers.resolve_memory` does: the tier's value wins), else memory.fp8_base, else the
+    precision."""
     fp8 = cfg.memory.get("fp8_base")
     if cfg.memory.get("tier") == "auto" and info is not None:
         try:
             from omegaconf import OmegaConf
 
-            from flux_trainer.app import tier_for_vram
             from flux_trainer.config.paths import shipped_config_dir
+            from flux_trainer.config.tiers import tier_for_vram
 
             tier = tier_for_vram(info.vram_gib if info.is_gpu else None)
             tier_fp8 = OmegaConf.load(shipped_config_dir() / "memory" / f"{tier}.yaml").get("fp8_base")

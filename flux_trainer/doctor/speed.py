@@ -15,7 +15,7 @@ from the peak table is measured and reported without a verdict.
 
 from __future__ import annotations
 
-from flux_trainer.doctor_core import PASS, SKIP, WARN, CheckResult, one_line
+from flux_trainer.doctor.core import PASS, SKIP, WARN, CheckResult, one_line
 from flux_trainer.launch.device import DeviceInfo
 from flux_trainer.metrics.flops import flux_step_flops, peak_bf16_tflops
 

@@ -43,8 +43,8 @@ class OutputLock:
             self.fd = -1
 
 
-def live_holder(folder: Path) -> str:
-    """The live run of `folder` for the refusal message: the newest run dir whose run.json names a running pid."""
+def live_run_dir(folder: Path) -> tuple[Path, dict] | None:
+    """The newest run dir of `folder` whose run.json names a process alive on this host, with that record."""
     for record in sorted(folder.glob(f"*/{RUN_RECORD}"), key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             info = json.loads(record.read_text(encoding="utf-8"))
@@ -52,7 +52,15 @@ def live_holder(folder: Path) -> str:
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if info.get("host") == socket.gethostname() and _pid_alive(pid):
-            return f"{record.parent} (pid {pid}, started {info.get('started', '?')})"
+            return record.parent, info
+    return None
+
+
+def live_holder(folder: Path) -> str:
+    """The live run of `folder` for the refusal message: the newest run dir whose run.json names a running pid."""
+    if found := live_run_dir(folder):
+        run_dir, info = found
+        return f"{run_dir} (pid {info['pid']}, started {info.get('started', '?')})"
     return f"a process holding {folder}"
 
 

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from flux_trainer.config.errors import ConfigError
-from flux_trainer.random_specs import PARTS, PRESETS, preset_file
+from flux_trainer.config.random_specs import PARTS, PRESETS, preset_file
 from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts, locate
 
 if TYPE_CHECKING:

@@ -65,7 +65,7 @@ KEEP_LAST_GRAPHS = 0
 KEEP_LAST_ENV = "FLUX_KERNELS_OFFLOAD_KEEP_LAST"  # another count, for measuring the trade
 MIN_BYTES_ENV = "FLUX_KERNELS_OFFLOAD_MIN_MIB"  # another threshold (MiB), likewise
 # "1": views with gaps go too (their elements, packed on the host; back into a buffer of their strides), as the
-# install's `views` (flux-train's kernels.offload_views) asks; "0" keeps them on the card either way. Off by
+# install's `views` asks (flux-train no longer sets it: measured to buy nothing); "0" keeps them on the card. Off by
 # default: such a view keeps its whole storage on the card (lora_fold's blocks save views of its concatenated input:
 # ~27 MiB a single block), but taking them adds to the host link's traffic, which measured faster left alone
 VIEWS_ENV = "FLUX_KERNELS_OFFLOAD_VIEWS"

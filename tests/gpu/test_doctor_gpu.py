@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
-from flux_trainer import doctor, doctor_attention
-from flux_trainer.doctor_core import CheckResult
+from flux_trainer import doctor
+from flux_trainer.doctor import attention as doctor_attention
+from flux_trainer.doctor.core import CheckResult
 from flux_trainer.launch.device import detect_device
 from flux_trainer.metrics.flops import peak_bf16_tflops
 

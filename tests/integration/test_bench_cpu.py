@@ -17,7 +17,7 @@ def test_bench_runs_cases_and_writes_json(tmp_path, monkeypatch, capsys):
         locate()
     except ConfigError as exc:
         pytest.skip(f"needs an sd-scripts checkout: {exc}")
-    from flux_trainer.bench import bench_main
+    from flux_trainer.commands.bench import bench_main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -62,7 +62,7 @@ def test_bench_runs_cases_and_writes_json(tmp_path, monkeypatch, capsys):
 
 
 def test_cases_expand_the_product():
-    from flux_trainer.bench import cases
+    from flux_trainer.commands.bench import cases
 
     got = cases(["memory=vram24+precision=fp8_base", "memory=vram80"], ["off", "auto"], [512, 1024])
     assert len(got) == 8
@@ -80,7 +80,7 @@ def test_cases_expand_the_product():
 def test_abba_runs_the_second_pass_in_reverse_and_compares_the_means(tmp_path, monkeypatch, capsys):
     """A drift that slows every later run by 10% makes the later case look slower in one pass; over A B B A, cases
     of the same speed come out equal. The baseline runs in the first pass only."""
-    from flux_trainer import bench
+    from flux_trainer.commands import bench
 
     order, baselines = [], []
 
@@ -115,7 +115,7 @@ def test_abba_runs_the_second_pass_in_reverse_and_compares_the_means(tmp_path, m
 
 
 def test_case_cap():
-    from flux_trainer.bench import case_cap
+    from flux_trainer.commands.bench import case_cap
 
     assert case_cap("tier", ["memory=vram24", "precision=fp8_base"]) == 24.0
     assert case_cap("30", ["memory=vram24"]) == 30.0
@@ -140,7 +140,7 @@ def test_step_stats_time_steps_and_the_first_two_steps_extra(tmp_path):
     excluded) beyond the median: compiling, and selective checkpointing's retrace at the second step."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from flux_trainer.bench import BenchResult, step_stats, table
+    from flux_trainer.commands.bench import BenchResult, step_stats, table
 
     writer = SummaryWriter(str(tmp_path / "tb" / "network_train"))
     walls = {1: 100.0, 2: 111.0, 3: 111.5, 4: 112.0, 5: 112.6, 6: 113.0}
@@ -162,7 +162,7 @@ def test_step_stats_images_per_second_of_all_processes_where_logged(tmp_path):
     """The run's images/s: every process's where the run logged it (several GPUs), else the one process's."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from flux_trainer.bench import BenchResult, step_stats, table
+    from flux_trainer.commands.bench import BenchResult, step_stats, table
 
     for name, all_ranks in (("two", True), ("one", False)):
         writer = SummaryWriter(str(tmp_path / name / "tb"))
@@ -184,7 +184,7 @@ def test_step_stats_peaks_are_the_largest_of_any_logged_step(tmp_path):
     """torch's and the allocator's reserved peaks: the largest logged (each step logs its own since the last)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from flux_trainer.bench import BenchResult, step_stats, table
+    from flux_trainer.commands.bench import BenchResult, step_stats, table
 
     writer = SummaryWriter(str(tmp_path / "tb"))
     for step, (peak, reserved) in enumerate([(5.0, 6.5), (7.25, 7.5), (6.0, 9.75)], start=1):
@@ -204,7 +204,7 @@ def test_step_stats_peaks_are_the_largest_of_any_logged_step(tmp_path):
 
 
 def test_case_cards_are_the_first_n_visible_gpus_of_the_case():
-    from flux_trainer.bench import case_cards
+    from flux_trainer.commands.bench import case_cards
 
     assert case_cards(["memory=vram80"], visible="") == [0]
     assert case_cards(["launcher.gpus=2"], visible="") == [0, 1]
@@ -221,7 +221,7 @@ def test_card_poller_samples_memory_power_and_clock_and_takes_medians_over_the_m
     import time
     from types import SimpleNamespace
 
-    from flux_trainer.bench import BenchResult, CardPoller, table
+    from flux_trainer.commands.bench import BenchResult, CardPoller, table
 
     class Nvml:
         NVML_CLOCK_SM = 1
@@ -281,7 +281,7 @@ def test_energy_a_step_is_the_counters_joules_over_the_window_times_the_mean_ste
     the counter gives no figure, not a zero."""
     from types import SimpleNamespace
 
-    from flux_trainer.bench import BenchResult, CardPoller, _measured, table
+    from flux_trainer.commands.bench import BenchResult, CardPoller, _measured, table
 
     class Nvml:
         NVML_CLOCK_SM = 1
@@ -345,7 +345,7 @@ def test_step_stats_mean_is_the_windows_throughput_where_intervals_bunch(tmp_pat
     median and the range follow the bunching, the mean is the measured window's wall time over its steps."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from flux_trainer.bench import BenchResult, step_stats, table
+    from flux_trainer.commands.bench import BenchResult, step_stats, table
 
     writer = SummaryWriter(str(tmp_path / "tb" / "network_train"))
     for step, wall in {1: 0.0, 2: 1.0, 3: 1.1, 4: 1.2, 5: 2.1, 6: 3.0}.items():
@@ -361,7 +361,7 @@ def test_step_stats_mean_is_the_windows_throughput_where_intervals_bunch(tmp_pat
 def test_compare_runs_loss_difference_and_lora_cosines(tmp_path):
     import torch
 
-    from flux_trainer.bench import compare_runs
+    from flux_trainer.commands.bench import compare_runs
 
     up, down = torch.randn(8, 4), torch.randn(4, 8)
     ref = _fake_run(tmp_path / "ref", [1.0, 0.5, 0.25], {"a.lora_up.weight": up, "a.lora_down.weight": down})
@@ -381,7 +381,7 @@ def test_compare_runs_loss_difference_and_lora_cosines(tmp_path):
     lower = _fake_run(tmp_path / "lower", [0.9, 0.45, 0.25], {"a.lora_up.weight": up, "a.lora_down.weight": down})
     drift = compare_runs(ref, lower)
     assert drift["loss_rel_bias"] == pytest.approx(-drift["loss_rel_diff"]) and drift["loss_rel_diff"] > 0.06
-    from flux_trainer.bench import BenchResult, numerics_table
+    from flux_trainer.commands.bench import BenchResult, numerics_table
 
     row = BenchResult(case="k-auto", overrides=[], exit_code=0, compared_to="k-off", **drift)
     assert f" {drift['loss_rel_diff']:.4f}  {drift['loss_rel_bias']:+.4f} " in numerics_table([row])
@@ -392,7 +392,7 @@ def test_compare_runs_names_the_kind_of_module_whose_lora_up_agrees_least(tmp_pa
     kinds that both runs left at zero count as equal, not as a cosine of 0."""
     import torch
 
-    from flux_trainer.bench import compare_runs, module_group
+    from flux_trainer.commands.bench import compare_runs, module_group
 
     gen = torch.Generator().manual_seed(0)
     ref, got = {}, {}
@@ -410,14 +410,14 @@ def test_compare_runs_names_the_kind_of_module_whose_lora_up_agrees_least(tmp_pa
     assert 0.3 < out["lora_up_min_cosine"] < 0.8  # ~1 / sqrt(1 + 1.5^2)
     assert module_group("lora_unet_single_blocks_12_linear1.lora_up.weight") == "single_blocks_N_linear1"
     assert module_group("lora_unet_double_blocks_0_img_mlp_2.lora_up.weight") == "double_blocks_N_img_mlp_2"
-    from flux_trainer.bench import BenchResult, numerics_table
+    from flux_trainer.commands.bench import BenchResult, numerics_table
 
     row = BenchResult(case="k-auto", overrides=[], exit_code=0, compared_to="k-off", **out)
     assert f"{out['lora_up_min_cosine']:.4f} (double_blocks_N_txt_attn_qkv)" in numerics_table([row])
 
 
 def test_compare_kernel_sets_pairs_each_case_with_the_first_sets_run(tmp_path):
-    from flux_trainer.bench import BenchResult, cases, compare_kernel_sets
+    from flux_trainer.commands.bench import BenchResult, cases, compare_kernel_sets
 
     plan = cases(["memory=vram24", "memory=vram80"], ["off", "auto"], [1024])
     runs = {}
@@ -437,7 +437,7 @@ def test_compare_kernel_sets_pairs_each_case_with_the_first_sets_run(tmp_path):
 def test_compare_kernel_sets_with_overrides_of_one_set(tmp_path):
     """A kernel set with its own overrides ('fp8+kernels.cuda_graphs=true') pairs with the first set's run of the
     same case; two sets that differ only in such overrides are told apart."""
-    from flux_trainer.bench import BenchResult, cases, compare_kernel_sets
+    from flux_trainer.commands.bench import BenchResult, cases, compare_kernel_sets
 
     kernels = ["auto", "auto+kernels.cuda_graphs=true", "fp8+kernels.cuda_graphs=true"]
     plan = cases(["memory=vram48", "memory=vram80"], kernels, [1024])

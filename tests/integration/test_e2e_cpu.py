@@ -226,13 +226,13 @@ def test_resume_auto_continues_then_says_finished(trained):
 
 
 def test_runs_listing_reads_the_events(trained, capsys):
-    from flux_trainer.cli_commands import runs_command
+    from flux_trainer.commands.runs import runs_command
 
     root = trained.run_dir.parent.parent
     assert runs_command(root) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if trained.run_dir.name in ln)
     fields = line.split()
-    assert fields[1] == "2" and float(fields[2]) > 0  # steps done, last loss
+    assert fields[1:3] == ["done", "2"] and float(fields[3]) > 0  # status, steps done, last loss
     assert fields[-1] == "s" and 1.0 < float(fields[-2]) < 600  # the start-up, command to the first step's end
 
 

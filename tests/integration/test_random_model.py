@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from flux_trainer.config.errors import ConfigError
-from flux_trainer.random_specs import PARTS, PRESETS
+from flux_trainer.config.random_specs import PARTS, PRESETS
 from flux_trainer.sdscripts import random_model as rm
 from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
 

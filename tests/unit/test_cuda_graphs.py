@@ -10,6 +10,7 @@ import pytest
 
 from flux_trainer.config import ConfigError
 from flux_trainer.config.validate import cuda_graphs_decision, cuda_graphs_setting
+from flux_trainer.sdscripts import compile_report, kernel_install
 from flux_trainer.sdscripts import hooks as hooks_mod
 from tests.conftest import undoing
 
@@ -102,8 +103,8 @@ def fake_kernels(monkeypatch, installed, skipped=None):
 def test_graphs_compile_the_blocks_in_reduce_overhead_mode(monkeypatch, caplog):
     import torch
 
-    # torch.compile's mode="reduce-overhead" is these inductor options, which combo_kernels can join (a mode cannot)
-    assert torch._inductor.list_mode_options("reduce-overhead") == hooks_mod.CUDA_GRAPHS_OPTIONS
+    # torch.compile's mode="reduce-overhead" is these inductor options, others could join (a mode cannot)
+    assert torch._inductor.list_mode_options("reduce-overhead") == kernel_install.CUDA_GRAPHS_OPTIONS
     seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
     with caplog.at_level(logging.INFO, logger="flux_trainer.runner"):
         got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": True}, "cuda")
@@ -116,50 +117,6 @@ def test_graphs_compile_the_blocks_in_reduce_overhead_mode(monkeypatch, caplog):
     got = hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": False}, "cuda")
     assert got == ["attention", "compile_blocks"]
     assert "compile_blocks" not in seen and "activation_offload" not in seen
-
-
-@pytest.mark.parametrize("graphs", [True, False])
-def test_combo_kernels_join_the_compile_options_where_blocks_are_compiled(monkeypatch, graphs):
-    seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
-    hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": graphs, "combo_kernels": True}, "cuda")
-    assert seen["compile_blocks"] == {
-        "options": {**({"triton.cudagraphs": True} if graphs else {}), "combo_kernels": True}
-    }
-    seen = fake_kernels(monkeypatch, ("attention",), {"compile_blocks": "triton is not installed"})
-    hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": False, "combo_kernels": True}, "cuda")
-    assert "compile_blocks" not in seen
-
-
-@pytest.mark.parametrize("graphs", [True, False])
-def test_offload_views_reach_activation_offload(monkeypatch, graphs):
-    seen = fake_kernels(monkeypatch, ("attention", "compile_blocks"))
-    hooks_mod.install_kernels(None, {"set": "auto", "cuda_graphs": graphs, "offload_views": True}, "cuda")
-    assert seen["activation_offload"] == {**({"graphs": True} if graphs else {}), "views": True}
-
-
-def test_offload_views_are_off_unless_asked_and_need_activation_offload(compose):
-    from flux_trainer.config.validate import offload_views_decision
-
-    assert offload_views_decision(compose("+dataset=mychar", "kernels=offload")) is False
-    assert offload_views_decision(compose("+dataset=mychar", "kernels=offload", "kernels.offload_views=true")) is True
-    with pytest.raises(ConfigError, match="kernels.offload_views=true: kernels.set=auto does not offload"):
-        offload_views_decision(compose("+dataset=mychar", "kernels.offload_views=true"))
-
-
-@pytest.mark.parametrize(("overrides", "want"), [([], False), (["kernels.combo_kernels=true"], True)])
-def test_combo_kernels_are_off_unless_asked(compose, overrides, want):
-    from flux_trainer.config.validate import combo_kernels_decision
-
-    assert combo_kernels_decision(compose("+dataset=mychar", *overrides)) is want
-
-
-def test_combo_kernels_asked_without_compiled_blocks_or_not_a_bool_is_an_error(compose):
-    from flux_trainer.config.validate import combo_kernels_decision
-
-    with pytest.raises(ConfigError, match="kernels.combo_kernels=true: kernels.set=off compiles no blocks"):
-        combo_kernels_decision(compose("+dataset=mychar", "kernels=off", "kernels.combo_kernels=true"))
-    with pytest.raises(Exception, match="Error merging override kernels.combo_kernels=maybe"):  # the schema: a bool
-        compose("+dataset=mychar", "kernels.combo_kernels=maybe")
 
 
 def test_every_step_starts_a_new_graph_generation_and_skips_are_reported(tmp_path, monkeypatch, caplog):
@@ -205,9 +162,9 @@ def test_compile_cache_outcomes_are_reported_after_the_first_step(tmp_path, monk
         monkeypatch.setitem(counters[group], key, n)
     # torch's compile time so far: 12.5 s, and 20 s once a later step has compiled more (below)
     monkeypatch.setattr(
-        hooks_mod, "compile_seconds", lambda: 20.0 if counters["inductor"]["fxgraph_cache_hit"] > 5 else 12.5
+        compile_report, "compile_seconds", lambda: 20.0 if counters["inductor"]["fxgraph_cache_hit"] > 5 else 12.5
     )
-    monkeypatch.setattr(hooks_mod, "compile_phases", dict)  # torch's phase timers: none here (test below)
+    monkeypatch.setattr(compile_report, "compile_phases", dict)  # torch's phase timers: none here (test below)
     caplog.set_level(logging.INFO, logger="flux_trainer.runner")
     h = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={"enabled": False}), tmp_path)
     h.kernels_installed = ["compile_blocks"]
@@ -246,8 +203,8 @@ def test_first_step_compiling_is_its_own_with_torch_phases(tmp_path, monkeypatch
     for group, kind in (("inductor", "fxgraph_cache"), ("aot_autograd", "autograd_cache")):
         for outcome in ("miss", "bypass"):  # whatever tests before this one compiled in this process
             monkeypatch.setitem(counters[group], f"{kind}_{outcome}", 0)
-    monkeypatch.setattr(hooks_mod, "compile_seconds", lambda: state["seconds"])
-    monkeypatch.setattr(hooks_mod, "compile_phases", lambda: dict(state["phases"]))
+    monkeypatch.setattr(compile_report, "compile_seconds", lambda: state["seconds"])
+    monkeypatch.setattr(compile_report, "compile_phases", lambda: dict(state["phases"]))
     caplog.set_level(logging.INFO, logger="flux_trainer.runner")
     h = hooks_mod.RunHooks(SimpleNamespace(kernels={}, metrics={"enabled": False}), tmp_path)
     h.kernels_installed = ["compile_blocks"]
@@ -272,9 +229,9 @@ def test_compile_phases_are_read_from_torch(monkeypatch):
 
     timed = {"bytecode_tracing": [0.5, 0.25], "CacheBase.get_system.triton_key": [0.2]}
     monkeypatch.setattr(utils, "compilation_time_metrics", {**timed, "inductor_codecache_torch_key": [0.1]})
-    phases = hooks_mod.compile_phases()
+    phases = compile_report.compile_phases()
     assert phases["tracing"] == 0.75 and abs(phases["cache keys"] - 0.3) < 1e-9 and phases["compiling"] == 0.0
-    assert set(phases) == {name for name, _ in hooks_mod.COMPILE_PHASES}
+    assert set(phases) == {name for name, _ in compile_report.COMPILE_PHASES}
 
 
 def test_cache_bypass_reasons_come_from_torch_itself(tmp_path, monkeypatch, caplog, torch_config):
@@ -295,7 +252,7 @@ def test_cache_bypass_reasons_come_from_torch_itself(tmp_path, monkeypatch, capl
 
     catch = Catch(level=logging.DEBUG)
     codecache_log.addHandler(catch)
-    reasons = hooks_mod.CacheBypassReasons().install()
+    reasons = compile_report.CacheBypassReasons().install()
     with undoing(reasons.remove, lambda: codecache_log.removeHandler(catch), torch._dynamo.reset):
         torch._dynamo.reset()
         bypassed = counters["inductor"]["fxgraph_cache_bypass"]
@@ -311,6 +268,6 @@ def test_cache_bypass_reasons_come_from_torch_itself(tmp_path, monkeypatch, capl
 
     monkeypatch.setitem(counters["inductor"], "fxgraph_cache_bypass", 1)
     caplog.set_level(logging.INFO, logger="flux_trainer.runner")
-    hooks_mod.report_compile_cache(reasons.reasons)
+    compile_report.report_compile_cache(reasons.reasons)
     assert "torch says: " in caplog.text and "inductor: Unsupported post grad custom pass (1x)" in caplog.text
     assert "TORCH_LOGS" not in caplog.text

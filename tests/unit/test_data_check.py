@@ -199,7 +199,7 @@ def test_caches_are_dropped_where_what_they_were_made_from_changed(tmp_path):
 
 
 def test_dataset_init_refuses_the_same_files_a_launch_refuses(tmp_path, monkeypatch):
-    from flux_trainer.datasets import describe_folder, write_dataset_config
+    from flux_trainer.commands.dataset import describe_folder, write_dataset_config
 
     monkeypatch.setenv("FLUX_TRAIN_CACHE", str(tmp_path / "cache"))
     folder = bad_folder(tmp_path)

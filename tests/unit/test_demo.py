@@ -7,7 +7,7 @@ import re
 import pytest
 from PIL import Image
 
-from flux_trainer.demo import COLOURS, MANIFEST, SHAPES, caption, demo_items, make_demo_dataset
+from flux_trainer.commands.demo import COLOURS, MANIFEST, SHAPES, caption, demo_items, make_demo_dataset
 
 CAPTION = re.compile(r"^a (small|large) (\w+) (\w+) on a (\w+) background$")
 

@@ -12,7 +12,7 @@ from flux_kernels.patches.attention import probe as fk_probe
 from flux_kernels.patches.attention.backends import AttentionBackend
 from flux_kernels.runtime import registry as fk_registry
 from flux_kernels.runtime.registry import KernelSpec
-from flux_trainer import doctor_attention
+from flux_trainer.doctor import attention as doctor_attention
 from flux_trainer.launch.device import DeviceInfo
 
 SHAPE = (1, 2, 33, 16)

@@ -7,7 +7,8 @@ from collections import namedtuple
 
 import pytest
 
-from flux_trainer import doctor_disk, doctor_env
+from flux_trainer.doctor import disk as doctor_disk
+from flux_trainer.doctor import env as doctor_env
 from flux_trainer.launch.device import DeviceInfo, family_for
 from flux_trainer.sdscripts.checkout import COMMIT_FILE, ENV_VAR, PINNED_COMMIT
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux_trainer import doctor_gpu, doctor_speed
 from flux_trainer.doctor import fast_checks
+from flux_trainer.doctor import gpu as doctor_gpu
+from flux_trainer.doctor import speed as doctor_speed
 from flux_trainer.launch.device import DeviceInfo, family_for
 
 CU126 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")

@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from flux_trainer import doctor, doctor_disk, doctor_env
+from flux_trainer import doctor
 from flux_trainer.config.errors import ConfigError
-from flux_trainer.doctor_core import STATUSES, CheckResult, exit_code, worst
+from flux_trainer.doctor import disk as doctor_disk
+from flux_trainer.doctor import env as doctor_env
+from flux_trainer.doctor.core import STATUSES, CheckResult, exit_code, worst
 from flux_trainer.launch import device as launch_device
 from flux_trainer.launch.device import DeviceInfo
 from flux_trainer.sdscripts.checkout import COMMIT_FILE, ENV_VAR, PINNED_COMMIT

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flux_trainer import doctor_models
-from flux_trainer.doctor_models import HeaderError, classify, model_part_check, read_header
+from flux_trainer.doctor import models as doctor_models
+from flux_trainer.doctor.models import HeaderError, classify, model_part_check, read_header
 
 BF16, F16, F32, E4M3, E5M2 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2
 

@@ -12,9 +12,9 @@ from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.commands.launch import launch_command_parser
 
 from flux_trainer.app import train
+from flux_trainer.commands.sweep import effective_batch, effective_batch_line
 from flux_trainer.launch.command import RUNNER_MODULE, accelerate_config, launch_command, resolve_gpus
 from flux_trainer.launch.device import DeviceInfo
-from flux_trainer.sweep import effective_batch, effective_batch_line
 
 RUN = Path("/runs/r1")
 

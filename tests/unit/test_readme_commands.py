@@ -67,3 +67,22 @@ def test_test_tools_are_pinned_exactly():
 def test_every_runtime_dependency_has_an_upper_bound():
     unbounded = [r for r in requirements() if "==" not in r and "<" not in r]
     assert not unbounded, f"bound these to the newest release tested (<): {unbounded}"
+
+
+def test_every_package_folder_is_installed():
+    """A folder with an __init__.py that pyproject's package list forgets works in a checkout and is missing from
+    an installed flux-train: every such folder is listed, and every listed package is a folder."""
+    tool = tomli.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed, dirs = set(tool["packages"]), tool["package-dir"]
+
+    def folder(package: str) -> Path:
+        top = max((d for d in dirs if package == d or package.startswith(d + ".")), key=len)
+        return ROOT / dirs[top] / Path(*package[len(top) :].strip(".").split(".") if package != top else ())
+
+    found = {
+        ".".join((name, *init.parent.relative_to(ROOT / dirs[name]).parts))
+        for name in ("flux_trainer", "flux_kernels")
+        for init in (ROOT / dirs[name]).rglob("__init__.py")
+    }
+    assert found - listed == set(), "packages missing from pyproject's list"
+    assert [p for p in listed if not folder(p).is_dir()] == []

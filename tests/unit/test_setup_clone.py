@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from flux_trainer import setup_cmd
+from flux_trainer.commands import setup as setup_cmd
 from flux_trainer.config import ConfigError
 from flux_trainer.sdscripts import checkout
 

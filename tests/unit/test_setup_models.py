@@ -256,7 +256,7 @@ def test_no_network_is_one_line_naming_the_hub_and_the_cause(tmp_path):
 
 
 def test_random_presets_refuse_before_anything_else(tmp_path, monkeypatch):
-    from flux_trainer import setup_cmd
+    from flux_trainer.commands import setup as setup_cmd
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(setup_cmd, "setup_sd_scripts", lambda *a, **k: pytest.fail("cloned before refusing"))
@@ -266,7 +266,7 @@ def test_random_presets_refuse_before_anything_else(tmp_path, monkeypatch):
 
 
 def test_every_missing_hub_entry_is_reported_at_once(tmp_path, monkeypatch):
-    from flux_trainer.setup_cmd import plan_downloads
+    from flux_trainer.commands.setup import plan_downloads
 
     monkeypatch.chdir(tmp_path)
     cfg = compose_run([*overrides(tmp_path), "model.hub.flux.repo_id=", "model.hub.clip_l.filename="], [])

@@ -10,8 +10,9 @@ import pytest
 import tomli
 
 import flux_trainer.app
-from flux_trainer import cli, sweep
 from flux_trainer.cli import main
+from flux_trainer.commands import sweep
+from flux_trainer.commands import train as train_command
 
 
 @pytest.fixture(autouse=True)
@@ -145,7 +146,7 @@ def test_a_launcher_that_dies_still_leaves_a_summary(workdir, capsys, monkeypatc
         sweep.record_member(sweep_dir, 0, overrides=["network.rank=8"], run_dir=sweep_dir / "0_mychar", code=0)
         raise SystemExit(1)
 
-    monkeypatch.setattr(cli, "hydra_run", dying_launcher)
+    monkeypatch.setattr(train_command, "hydra_run", dying_launcher)
     assert main(["-m", "+dataset=mychar", "network.rank=8,16", "dry_run=true"]) == 1
     _, summary = the_summary(workdir)
     assert statuses(summary) == [(0, "ok", 0), (1, "no result", None)]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import tomli
 
-from flux_trainer import sweep
 from flux_trainer.cli import main
+from flux_trainer.commands import sweep
 
 needs_plugin = pytest.mark.skipif(
     importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
