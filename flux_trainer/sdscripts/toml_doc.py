@@ -1,9 +1,9 @@
-"""A small TOML writer that keeps a comment beside each value.
+"""The TOML documents handed to sd-scripts, a comment beside each value that needs one, written by tomlkit.
 
-The TOML we hand sd-scripts is also documentation for the user ("why is d_coef 1.0?"), so each key may
-carry a comment. tomli_w cannot write comments; this writes the subset we need (tables, arrays of tables,
-strings, numbers, booleans, arrays of scalars) and escapes every string by the TOML spec, so any user
-string (quotes, backslashes, Windows paths, newlines, unicode) round-trips through tomli.
+The TOML is also documentation for the user ("why is d_coef 1.0?"), so each key may carry a comment; tomli-w cannot
+write comments, tomlkit can, and it escapes every string by the TOML spec, so any user string (quotes, backslashes,
+Windows paths, newlines, unicode) round-trips through tomli. This module keeps the small model translate.py builds
+(tables, arrays of tables, values with comments, array items with comments) and hands the writing to tomlkit.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Union
+
+import tomlkit
+from tomlkit.items import Whitespace
 
 Scalar = Union[str, int, float, bool]  # noqa: UP007 - a runtime alias, py3.10 safe either way
 
@@ -46,15 +49,14 @@ class Table:
             return
         if any(e.key == key for e in self.entries):
             raise ValueError(f"duplicate TOML key {key!r} in [{self.name}]")
+        _check(value)
         self.entries.append(Entry(key, value, comment))
 
     def plain(self) -> dict[str, Any]:
         """The table as plain Python values (what tomli reads back)."""
         out: dict[str, Any] = {}
         for e in self.entries:
-            out[e.key] = (
-                [i.value if isinstance(i, Item) else i for i in e.value] if isinstance(e.value, list) else e.value
-            )
+            out[e.key] = [_scalar(i) for i in e.value] if isinstance(e.value, list) else e.value
         for child in self.children:
             out.setdefault(child.name.rsplit(".", 1)[-1], []).append(child.plain())
         return out
@@ -92,75 +94,61 @@ class Document:
         return out
 
     def dumps(self) -> str:
-        lines = [f"# {ln}" if ln else "#" for ln in self.header.splitlines()]
+        doc = tomlkit.document()
+        for line in self.header.splitlines():
+            doc.add(tomlkit.comment(line))
         for t in self.tables:
-            lines.extend(_table_lines(t, indent=""))
-        return "\n".join(lines).lstrip("\n") + "\n"
+            doc.add(tomlkit.nl())
+            for line in t.comment.splitlines():
+                doc.add(tomlkit.comment(line))
+            doc.add(Whitespace(""))  # the comment sits on the table's header (tomlkit would part them by a blank line)
+            if t.array:
+                if t.name not in doc:
+                    doc.add(t.name, tomlkit.aot())
+                doc[t.name].append(_table(t))
+            else:
+                doc.add(t.name, _table(t))
+        return tomlkit.dumps(doc).lstrip("\n")
 
 
-def _table_lines(t: Table, indent: str) -> list[str]:
-    lines = [""]
-    if t.comment:
-        lines.extend(f"{indent}# {ln}" for ln in t.comment.splitlines())
-    lines.append(f"{indent}[[{_key_path(t.name)}]]" if t.array else f"{indent}[{_key_path(t.name)}]")
-    for e in t.entries:
-        lines.extend(_entry_lines(e, indent))
-    for child in t.children:
-        lines.extend(_table_lines(child, indent + "  "))
-    return lines
+def _scalar(v: Any) -> Scalar:
+    return v.value if isinstance(v, Item) else v
 
 
-def _entry_lines(e: Entry, indent: str) -> list[str]:
-    key = bare_or_quoted(e.key)
-    if isinstance(e.value, list) and any(isinstance(i, Item) and i.comment for i in e.value):
-        out = [f"{indent}# {e.comment}"] if e.comment else []
-        out.append(f"{indent}{key} = [")
-        for i in e.value:
-            item = i if isinstance(i, Item) else Item(i)
-            out.append(f"{indent}  {format_value(item.value)},{'  # ' + item.comment if item.comment else ''}")
-        out.append(f"{indent}]")
-        return out
-    text = f"{indent}{key} = {format_value(e.value)}"
-    return [f"{text}  # {e.comment}" if e.comment else text]
-
-
-def _key_path(name: str) -> str:
-    return ".".join(bare_or_quoted(part) for part in name.split("."))
-
-
-def bare_or_quoted(key: str) -> str:
-    if key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key):
-        return key
-    return format_string(key)
-
-
-def format_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v) or math.isinf(v):
+def _check(value: Any) -> None:
+    """The values sd-scripts' TOML may hold: strings, integers, finite floats, booleans, and lists of them."""
+    for v in value if isinstance(value, list) else [value]:
+        v = _scalar(v)
+        if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
             raise ValueError(f"TOML for sd-scripts cannot hold {v}")
-        return repr(v)
-    if isinstance(v, str):
-        return format_string(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(format_value(i.value if isinstance(i, Item) else i) for i in v) + "]"
-    raise TypeError(f"no TOML form for {type(v).__name__}: {v!r}")
+        if not isinstance(v, (str, int, float, bool)):
+            raise TypeError(f"no TOML form for {type(v).__name__}: {v!r}")
 
 
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def format_string(s: str) -> str:
-    """A TOML basic string: quotes, backslashes and control characters escaped; other unicode kept as is."""
-    out = []
-    for ch in s:
-        if ch in _ESCAPES:
-            out.append(_ESCAPES[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
+def _table(t: Table) -> Any:
+    out = tomlkit.table()
+    for e in t.entries:
+        if isinstance(e.value, list) and any(isinstance(i, Item) and i.comment for i in e.value):
+            if e.comment:
+                out.add(tomlkit.comment(e.comment))
+            items = tomlkit.array()
+            for i in e.value:
+                items.add_line(_scalar(i), indent="  ", comment=(i.comment or None) if isinstance(i, Item) else None)
+            items.add_line(indent="")  # the closing bracket on a line of its own
+            out.add(e.key, items)
+            continue
+        value = tomlkit.item([_scalar(i) for i in e.value] if isinstance(e.value, list) else e.value)
+        if e.comment:
+            value.comment(e.comment)
+            value.trivia.comment_ws = "  "  # two spaces before a comment, as code is written
+        out.add(e.key, value)
+    for child in t.children:
+        key = child.name.rsplit(".", 1)[-1]
+        if not child.array:
+            out.add(key, _table(child))
+            continue
+        if key not in out:
+            out.add(tomlkit.nl())
+            out.add(key, tomlkit.aot())
+        out[key].append(_table(child))
+    return out

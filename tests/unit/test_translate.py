@@ -84,7 +84,7 @@ def test_defaults_carry_the_product_choices(golden_compose):
     text = train_doc.dumps()
     for arg in ("decouple", "weight_decay", "use_bias_correction", "safeguard_warmup", "d_coef"):
         line = next(ln for ln in text.splitlines() if f'"{arg}=' in ln)
-        assert "  # " in line, f"optimizer arg {arg} has no comment saying why"
+        assert " # " in line, f"optimizer arg {arg} has no comment saying why"
     d = tomli.loads(dataset_doc.dumps())
     sub = d["datasets"][0]["subsets"][0]
     assert sub["caption_prefix"] == "ohwx," and sub["num_repeats"] == 10
