@@ -22,18 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root, model_cache
-from flux_trainer.config.tiers import resolve_memory
-from flux_trainer.config.validate import (
-    cuda_graphs_decision,
-    cuda_graphs_setting,
-    fp8_keep_transposed_decision,
-    tier_gib,
-    validate,
-)
+from flux_trainer.config.validate import tier_gib
 from flux_trainer.data import stage as data_stage
 from flux_trainer.launch import command as launch_command
 from flux_trainer.launch import device as launch_device
 from flux_trainer.launch import profiles, rundir
+from flux_trainer.plan import processes, resolve
 from flux_trainer.sdscripts import checkout as sd_checkout
 from flux_trainer.sdscripts.parser_schema import check_training_keys, load_schema
 from flux_trainer.sdscripts.resume import SavedState, resume_decision
@@ -41,7 +35,6 @@ from flux_trainer.sdscripts.runner import RunnerSpec
 from flux_trainer.sdscripts.translate import RunPaths, sample_prompts_text, tracker_document, translate
 
 log = logging.getLogger("flux_trainer")
-TOKENIZER_ENV = "FLUX_TRAIN_TOKENIZER_DIR"
 
 
 def say(msg: str) -> None:
@@ -70,25 +63,6 @@ def checkpoint_skip_spec(cfg: DictConfig) -> dict:
     }
 
 
-def tokenizer_dir(cfg: DictConfig) -> Path:
-    """sd-scripts' tokenizer_cache_dir: the config key, $FLUX_TRAIN_TOKENIZER_DIR, the packaged stand-ins for
-    random presets (no download), else <cache>/tokenizers (sd-scripts fetches the real ones there once)."""
-    if cfg.tokenizer_dir:
-        return Path(cfg.tokenizer_dir).expanduser().absolute()
-    if os.environ.get(TOKENIZER_ENV):
-        return Path(os.environ[TOKENIZER_ENV]).expanduser().absolute()
-    if cfg.model.get("random_preset"):
-        return Path(__file__).parent / "standin_tokenizers"
-    return cache_root() / "tokenizers"
-
-
-def absolute_paths(cfg: DictConfig) -> None:
-    """sd-scripts runs in a child process: give it absolute paths, whatever the cwd."""
-    for part in ("flux", "ae", "clip_l", "t5xxl"):
-        cfg.model[part] = str(Path(str(cfg.model[part])).expanduser().absolute())
-    cfg.dataset.images = str(Path(cfg.dataset.images).expanduser().absolute())
-
-
 @dataclass
 class Prepared:
     run_dir: Path
@@ -107,18 +81,9 @@ def prepare(
     `exclusive`: hold runs/<output_name>/ for the run (a second live run of the name is refused; sweep members,
     whose run dirs are the sweep's, do not)."""
     info = info or launch_device.detect_device()
-    for warning in validate(cfg, family=info.family, search_dirs=search_dirs):
-        say(f"warning: {warning}")
-    if info.family != "cpu":
-        ok, why = launch_device.arch_supported(info)
-        if not ok:
-            raise ConfigError(why)
-    if said := resolve_memory(cfg, info):
-        say(said)
-    cuda_graphs = cuda_graphs_decision(cfg, gpu=info.is_gpu)
-    cuda_graphs_asked = cuda_graphs_setting(cfg) == "true"
-    fp8_keep_transposed = fp8_keep_transposed_decision(cfg)
-    absolute_paths(cfg)
+    plan = resolve(cfg, info, search_dirs=search_dirs)
+    for line in plan.said:
+        say(line)
     try:
         checkout = sd_checkout.locate(cfg.sd_scripts)
     except ConfigError:
@@ -133,7 +98,7 @@ def prepare(
     staged_images, notes = data_stage.ready(cfg.dataset, cfg.model, cache_root(), int(cfg.train.batch_size))
     for note in notes:
         say(f"note: {note}")
-    runs_root = Path(cfg.logging.root).expanduser().absolute()
+    runs_root = plan.runs_root
     lock = rundir.lock_output(runs_root / cfg.train.output_name) if exclusive else None
     run_dir, made = run_dir.resolve(), False
     try:
@@ -154,7 +119,7 @@ def prepare(
             preflight_doctor(cfg, info)
         paths = RunPaths(
             run_dir=run_dir,
-            tokenizer_dir=tokenizer_dir(cfg),
+            tokenizer_dir=plan.tokenizer_dir,
             sample_prompts=run_dir / "sample_prompts.txt" if cfg.sample.prompts else None,
             resume_state=state.path if state is not None else None,
             tracker_config=run_dir / "tracker.toml" if cfg.logging.tensorboard else None,
@@ -165,7 +130,7 @@ def prepare(
         if problems:
             raise ConfigError(problems)
 
-        profile = profiles.environment_profile(info, os.environ, gpus=_gpus(cfg, info), cache_dir=cache_root())
+        profile = profiles.environment_profile(info, os.environ, gpus=plan.gpus, cache_dir=cache_root())
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         train_toml, dataset_toml = run_dir / "sd_scripts.toml", run_dir / "dataset.toml"
         train_toml.write_text(train_doc.dumps(), encoding="utf-8")
@@ -198,12 +163,7 @@ def prepare(
             train_toml=str(train_toml),
             dataset_toml=str(dataset_toml),
             random_model_dir=str(Path(cfg.model.flux).parent) if random_preset == "tiny" else None,
-            kernels={
-                "set": cfg.kernels.set,
-                "cuda_graphs": cuda_graphs,
-                "cuda_graphs_asked": cuda_graphs_asked,
-                "fp8_keep_transposed": fp8_keep_transposed,
-            },
+            kernels=plan.kernels.for_runner(),
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
             pin_memory=bool(cfg.train.pin_memory),
@@ -239,12 +199,6 @@ def preflight_doctor(cfg: DictConfig, info) -> None:
 
 class FinishedRun(Exception):
     """resume=auto found the run already complete: nothing to do (exit 0)."""
-
-
-def _gpus(cfg: DictConfig, info) -> int:
-    if info.family == "cpu":
-        return 0
-    return info.count if cfg.launcher.gpus == "all" else int(cfg.launcher.gpus)
 
 
 def _profile_options(cfg: DictConfig) -> dict:
@@ -331,7 +285,7 @@ def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
     root = Path(cfg.logging.root).resolve()
     say(f"run dir: {prepared.run_dir}")
     steps = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.max_epochs} epochs"
-    batch = effective_batch_line(cfg, max(_gpus(cfg, info), 1) * int(cfg.launcher.nodes))
+    batch = effective_batch_line(cfg, max(processes(cfg, info), 1) * int(cfg.launcher.nodes))
     say(f"{cfg.model.name} on {info.name}: memory={cfg.memory.tier}, kernels={cfg.kernels.set}, {steps}; {batch}")
     log_lines = ["environment (env.json): " + "; ".join(prepared.env_lines)]
     if cfg.dry_run:

@@ -231,7 +231,6 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
     return warnings
 
 
-CUDA_GRAPHS_SETTINGS = ("auto", "true", "false")
 CHECKPOINT_SKIP_AUTO = "auto"
 
 
@@ -252,79 +251,3 @@ def kernel_set_problem(kernel_set: str) -> str | None:
     except ValueError as e:
         return f"kernels.set={kernel_set}: {e}"
     return None
-
-
-def switch_setting(cfg: DictConfig, key: str) -> str:
-    """An auto | true | false key of `kernels` (CUDA_GRAPHS_SETTINGS), lower-cased: Hydra reads `true` as a bool."""
-    return str(cfg.kernels.get(key, "auto")).strip().lower()
-
-
-def checked_switch(cfg: DictConfig, key: str) -> str:
-    """switch_setting, or a ConfigError naming the key when the value is none of auto, true or false."""
-    setting = switch_setting(cfg, key)
-    if setting not in CUDA_GRAPHS_SETTINGS:
-        raise ConfigError(f"kernels.{key}={cfg.kernels.get(key)}: choose auto, true or false")
-    return setting
-
-
-def cuda_graphs_setting(cfg: DictConfig) -> str:
-    """kernels.cuda_graphs as one of CUDA_GRAPHS_SETTINGS (Hydra reads `true` as a bool)."""
-    return switch_setting(cfg, "cuda_graphs")
-
-
-def fp8_keep_transposed_decision(cfg: DictConfig) -> bool:
-    """Whether fp8_matmul (where it is installed) keeps each fp8 weight's transpose for the input gradient instead
-    of making it again every backward: +1 byte per frozen block weight (~8 GiB on FLUX.1) for ~5 ms of a 0.32 s
-    step at 1024² on an H200. `auto`: where memory is not traded for speed, as for CUDA graphs (no gradient
-    checkpointing, no block swap: the vram80 tier); `true` anywhere; an fp8 weight's transpose is bit-exact."""
-    setting = checked_switch(cfg, "fp8_keep_transposed")
-    if setting == "auto":
-        mem = cfg.memory
-        return not (mem.gradient_checkpointing or mem.blocks_to_swap or mem.cpu_offload_checkpointing)
-    return setting == "true"
-
-
-def _kernel_request(cfg: DictConfig):
-    """kernels.set parsed; an invalid one (validate() reports it) as `off`."""
-    try:
-        return parse_request(str(cfg.kernels.set))
-    except ValueError:
-        return parse_request("off")
-
-
-def cuda_graph_blockers(cfg: DictConfig, gpu: bool = True) -> list[str]:
-    """Why CUDA graphs cannot replay this run's compiled blocks (empty: they can). A graph fixes every address it
-    reads and writes: it needs the compiled blocks, weights that stay put and one backward per optimizer step."""
-    blockers = [] if gpu else ["no CUDA GPU"]
-    request = _kernel_request(cfg)
-    if not request.wants("compile_blocks", in_auto=True):
-        what = f"kernels.set={cfg.kernels.set}" if request.auto or request.named else "kernels=off"
-        blockers.append(f"{what} compiles no blocks to replay")
-    if cfg.memory.blocks_to_swap or cfg.memory.cpu_offload_checkpointing:
-        blockers.append(
-            "memory.blocks_to_swap / memory.cpu_offload_checkpointing move what the graphs read between CPU and GPU"
-        )
-    if cfg.train.gradient_accumulation_steps > 1:
-        blockers.append("train.gradient_accumulation_steps > 1: a replay would overwrite the gradients being summed")
-    return blockers
-
-
-def cuda_graphs_decision(cfg: DictConfig, gpu: bool = True) -> bool:
-    """Whether the compiled blocks replay from CUDA graphs (torch.compile "reduce-overhead"). `auto`: where memory
-    is not traded for speed (no gradient checkpointing, so the vram80 tier), since the graphs' own memory pool adds
-    about 1.5 GiB on the card (measured on an H200: 4% faster at vram80, 3% at vram48, 10% at vram24, each tier
-    +1.4-1.5 GiB; at vram24 with every block checkpointed selectively, 0.390 s/step against 0.468 for that tier's
-    default, +0.3 GiB on the card, but 24 GB cards' steps wait on the GPU, not the CPU, so not by default). On
-    several GPUs each process replays its own graphs (two H200s, vram80: 0.3515 s/step against 0.3532 without, the
-    same losses, +1.9 GiB on the card). `true` turns them on anywhere they can run and is an error where they
-    cannot."""
-    setting = checked_switch(cfg, "cuda_graphs")
-    blockers = cuda_graph_blockers(cfg, gpu)
-    if setting == "true" and blockers:
-        # the user may not have typed it: the kernels=offload preset sets it
-        offload = _kernel_request(cfg).wants("activation_offload", in_auto=False)
-        origin = " (kernels=offload sets it; choose another kernels set here)" if offload else ""
-        raise ConfigError([f"kernels.cuda_graphs=true{origin}: {b}" for b in blockers])
-    if setting == "auto":
-        return not blockers and not cfg.memory.gradient_checkpointing
-    return setting == "true"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from flux_trainer.config import ConfigError
-from flux_trainer.config.validate import cuda_graphs_decision, cuda_graphs_setting
+from flux_trainer.plan import cuda_graphs_decision, cuda_graphs_setting
 from flux_trainer.sdscripts import compile_report, kernel_install
 from flux_trainer.sdscripts import hooks as hooks_mod
 from tests.conftest import undoing

@@ -387,7 +387,7 @@ def test_nothing_eligible_is_an_error_naming_why(fm, lora_flux):
     ],
 )
 def test_where_the_transposes_are_kept_and_the_runner_passes_it_on(compose, monkeypatch, overrides, want):
-    from flux_trainer.config.validate import fp8_keep_transposed_decision
+    from flux_trainer.plan import fp8_keep_transposed_decision
     from flux_trainer.sdscripts import hooks
 
     decision = fp8_keep_transposed_decision(compose("+dataset=mychar", *overrides))
@@ -401,7 +401,7 @@ def test_where_the_transposes_are_kept_and_the_runner_passes_it_on(compose, monk
 
 def test_a_bad_keep_transposed_value_is_an_error(compose):
     from flux_trainer.config import ConfigError
-    from flux_trainer.config.validate import fp8_keep_transposed_decision
+    from flux_trainer.plan import fp8_keep_transposed_decision
 
     with pytest.raises(ConfigError, match="kernels.fp8_keep_transposed=sometimes: choose auto, true or false"):
         fp8_keep_transposed_decision(compose("+dataset=mychar", "kernels.fp8_keep_transposed=sometimes"))

@@ -1,0 +1,188 @@
+"""The plan: a run's config validated once and resolved once, then only read.
+
+compose (Hydra) -> `resolve` -> `Plan` -> translate, launch, metrics. Resolving: every problem of the config at once
+(config.validate), the card's architecture against the installed PyTorch, `memory=auto` turned into the card's tier
+(config.tiers), the kernels' run-wide switches decided (flux_kernels.runtime.policy, phrased here in our keys), paths
+made absolute, the tokenizer folder and the process count chosen. The resolved config is then read-only: a later
+layer that tried to change it would fail loudly instead of deciding something again.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from flux_kernels.runtime import policy
+from flux_kernels.runtime.request import parse_request
+from flux_trainer.config import ConfigError
+from flux_trainer.config.paths import cache_root
+from flux_trainer.config.tiers import resolve_memory
+from flux_trainer.config.validate import tier_gib, validate
+
+TOKENIZER_ENV = "FLUX_TRAIN_TOKENIZER_DIR"
+BACKEND = "sdscripts"  # the one trainer backend today (flux_trainer/sdscripts/)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    set: str
+    cuda_graphs: bool
+    cuda_graphs_asked: bool  # `true` typed (or set by a kernels preset): a failure to install them is an error
+    fp8_keep_transposed: bool
+
+    def for_runner(self) -> dict[str, Any]:
+        return {
+            "set": self.set,
+            "cuda_graphs": self.cuda_graphs,
+            "cuda_graphs_asked": self.cuda_graphs_asked,
+            "fp8_keep_transposed": self.fp8_keep_transposed,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: DictConfig  # validated and resolved (tier merged, paths absolute); read-only
+    device: Any  # flux_trainer.launch.device.DeviceInfo
+    kernels: KernelPlan
+    tokenizer_dir: Path
+    runs_root: Path
+    gpus: int  # processes on this node (0: the CPU)
+    backend: str = BACKEND
+    said: list[str] = field(default_factory=list)  # warnings and choices, for the run's header
+
+    @property
+    def tier(self) -> str:
+        return str(self.cfg.memory.tier)
+
+    @property
+    def tier_gib(self) -> float | None:
+        return tier_gib(self.tier)
+
+    @property
+    def random_preset(self) -> str | None:
+        return self.cfg.model.get("random_preset")
+
+
+def resolve(cfg: DictConfig, info, *, search_dirs: list[Path] | None = None) -> Plan:
+    """Validate and resolve `cfg` for the card `info` (in place: the caller's config becomes the plan's, then
+    read-only). Raises ConfigError with every problem."""
+    from flux_trainer.launch.device import arch_supported
+
+    said = [f"warning: {w}" for w in validate(cfg, family=info.family, search_dirs=search_dirs)]
+    if info.family != "cpu":
+        ok, why = arch_supported(info)
+        if not ok:
+            raise ConfigError(why)
+    if chosen := resolve_memory(cfg, info):
+        said.append(chosen)
+    kernels = KernelPlan(
+        set=str(cfg.kernels.set),
+        cuda_graphs=cuda_graphs_decision(cfg, gpu=info.is_gpu),
+        cuda_graphs_asked=cuda_graphs_setting(cfg) == "true",
+        fp8_keep_transposed=fp8_keep_transposed_decision(cfg),
+    )
+    absolute_paths(cfg)
+    plan = Plan(
+        cfg=cfg,
+        device=info,
+        kernels=kernels,
+        tokenizer_dir=tokenizer_dir(cfg),
+        runs_root=Path(cfg.logging.root).expanduser().absolute(),
+        gpus=processes(cfg, info),
+        said=said,
+    )
+    OmegaConf.set_readonly(cfg, True)
+    return plan
+
+
+# ---- the kernels' switches, in our keys ----
+
+
+def kernel_request(cfg: DictConfig):
+    """kernels.set parsed; an invalid one (validate() reports it) as `off`."""
+    try:
+        return parse_request(str(cfg.kernels.set))
+    except ValueError:
+        return parse_request("off")
+
+
+def run_shape(cfg: DictConfig, gpu: bool = True) -> policy.RunShape:
+    mem = cfg.memory
+    return policy.RunShape(
+        gpu=gpu,
+        compiles_blocks=kernel_request(cfg).wants("compile_blocks", in_auto=True),
+        gradient_checkpointing=bool(mem.gradient_checkpointing),
+        weights_move=bool(mem.blocks_to_swap or mem.cpu_offload_checkpointing),
+        gradient_accumulation_steps=int(cfg.train.gradient_accumulation_steps),
+    )
+
+
+def _switch(cfg: DictConfig, key: str) -> str:
+    try:
+        return policy.setting(cfg.kernels.get(key, "auto"))
+    except ValueError:
+        raise ConfigError(f"kernels.{key}={cfg.kernels.get(key)}: choose auto, true or false") from None
+
+
+def cuda_graphs_setting(cfg: DictConfig) -> str:
+    """kernels.cuda_graphs as auto, true or false (Hydra reads `true` as a bool)."""
+    return _switch(cfg, "cuda_graphs")
+
+
+def cuda_graphs_decision(cfg: DictConfig, gpu: bool = True) -> bool:
+    """kernels.cuda_graphs decided (flux_kernels.runtime.policy.cuda_graphs); `true` where the graphs cannot run is
+    one line per reason, naming the keys that stand in the way."""
+    try:
+        return policy.cuda_graphs(_switch(cfg, "cuda_graphs"), run_shape(cfg, gpu))
+    except policy.GraphsBlocked as blocked:
+        request = kernel_request(cfg)
+        # the user may not have typed it: the kernels=offload preset sets it
+        offload = request.wants("activation_offload", in_auto=False)
+        origin = " (kernels=offload sets it; choose another kernels set here)" if offload else ""
+        what = f"kernels.set={cfg.kernels.set}" if request.auto or request.named else "kernels=off"
+        reasons = {
+            policy.NO_GPU: "no CUDA GPU",
+            policy.NO_COMPILED_BLOCKS: f"{what} compiles no blocks to replay",
+            policy.WEIGHTS_MOVE: "memory.blocks_to_swap / memory.cpu_offload_checkpointing move what the graphs "
+            "read between CPU and GPU",
+            policy.ACCUMULATION: "train.gradient_accumulation_steps > 1: a replay would overwrite the gradients "
+            "being summed",
+        }
+        raise ConfigError([f"kernels.cuda_graphs=true{origin}: {reasons[b]}" for b in blocked.blockers]) from None
+
+
+def fp8_keep_transposed_decision(cfg: DictConfig) -> bool:
+    """kernels.fp8_keep_transposed decided (flux_kernels.runtime.policy.fp8_keep_transposed)."""
+    return policy.fp8_keep_transposed(_switch(cfg, "fp8_keep_transposed"), run_shape(cfg))
+
+
+# ---- paths and processes ----
+
+
+def tokenizer_dir(cfg: DictConfig) -> Path:
+    """sd-scripts' tokenizer_cache_dir: the config key, $FLUX_TRAIN_TOKENIZER_DIR, the packaged stand-ins for
+    random presets (no download), else <cache>/tokenizers (sd-scripts fetches the real ones there once)."""
+    if cfg.tokenizer_dir:
+        return Path(cfg.tokenizer_dir).expanduser().absolute()
+    if os.environ.get(TOKENIZER_ENV):
+        return Path(os.environ[TOKENIZER_ENV]).expanduser().absolute()
+    if cfg.model.get("random_preset"):
+        return Path(__file__).parent / "standin_tokenizers"
+    return cache_root() / "tokenizers"
+
+
+def absolute_paths(cfg: DictConfig) -> None:
+    """sd-scripts runs in a child process: give it absolute paths, whatever the cwd."""
+    for part in ("flux", "ae", "clip_l", "t5xxl"):
+        cfg.model[part] = str(Path(str(cfg.model[part])).expanduser().absolute())
+    cfg.dataset.images = str(Path(cfg.dataset.images).expanduser().absolute())
+
+
+def processes(cfg: DictConfig, info) -> int:
+    if info.family == "cpu":
+        return 0
+    return info.count if cfg.launcher.gpus == "all" else int(cfg.launcher.gpus)

@@ -1,0 +1,106 @@
+"""The plan: a config validated and resolved once (tier, kernel switches, paths, processes), then read-only; and
+the kernels' switch policy it asks, which knows no config."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from omegaconf.errors import ReadonlyConfigError
+
+from flux_kernels.runtime import policy
+from flux_trainer.config import ConfigError
+from flux_trainer.launch.device import DeviceInfo
+from flux_trainer.plan import resolve
+
+H200 = DeviceInfo(
+    name="NVIDIA H200",
+    index=0,
+    capability=(9, 0),
+    family="hopper",
+    vram_gib=139.8,
+    count=2,
+    bf16=True,
+    fp8=True,
+    torch_version="2.13",
+    torch_cuda="13.0",
+    arch_list=("sm_90",),
+    driver=None,
+)
+RTX4090 = replace(H200, name="NVIDIA GeForce RTX 4090", capability=(8, 9), family="ada", vram_gib=23.6, count=1,
+                  arch_list=("sm_89",))  # fmt: skip
+
+
+def test_resolve_picks_the_tier_decides_the_kernels_and_freezes_the_config(compose, monkeypatch):
+    monkeypatch.setattr("flux_trainer.launch.device.arch_supported", lambda info: (True, ""))
+    cfg = compose("+dataset=mychar", "dry_run=true", "model.flux=rel/flux.safetensors", "launcher.gpus=all")
+    plan = resolve(cfg, H200)
+    assert (plan.tier, plan.tier_gib, plan.gpus) == ("vram80", 80.0, 2)  # launcher.gpus=all: both cards
+    assert plan.kernels.cuda_graphs and plan.kernels.fp8_keep_transposed and not plan.kernels.cuda_graphs_asked
+    assert any(line.startswith("memory=auto: NVIDIA H200") for line in plan.said)
+    assert Path(plan.cfg.model.flux).is_absolute() and plan.cfg.model.flux.endswith("rel/flux.safetensors")
+    assert plan.runs_root.is_absolute() and plan.cfg is cfg
+    with pytest.raises(ReadonlyConfigError):
+        plan.cfg.memory.tier = "vram12"  # a later layer cannot decide again
+
+
+def test_a_smaller_card_trades_memory_so_the_switches_stay_off(compose, monkeypatch):
+    monkeypatch.setattr("flux_trainer.launch.device.arch_supported", lambda info: (True, ""))
+    plan = resolve(compose("+dataset=mychar", "dry_run=true"), RTX4090)
+    assert plan.tier == "vram24" and plan.gpus == 1
+    assert not plan.kernels.cuda_graphs and not plan.kernels.fp8_keep_transposed
+
+
+def test_cuda_graphs_asked_where_they_cannot_run_names_every_reason_in_our_keys(compose, monkeypatch):
+    monkeypatch.setattr("flux_trainer.launch.device.arch_supported", lambda info: (True, ""))
+    cfg = compose(
+        "+dataset=mychar",
+        "dry_run=true",
+        "kernels.cuda_graphs=true",
+        "memory=vram12",
+        "train.gradient_accumulation_steps=2",
+    )
+    with pytest.raises(ConfigError) as refused:
+        resolve(cfg, H200)
+    problems = refused.value.problems
+    assert any("memory.blocks_to_swap" in p for p in problems), problems
+    assert any("train.gradient_accumulation_steps > 1" in p for p in problems), problems
+    assert all(p.startswith("kernels.cuda_graphs=true") for p in problems)
+
+
+SHAPE = policy.RunShape(gpu=True, compiles_blocks=True, gradient_checkpointing=False, weights_move=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "blockers"),
+    [
+        ({}, []),
+        ({"gpu": False}, [policy.NO_GPU]),
+        ({"compiles_blocks": False}, [policy.NO_COMPILED_BLOCKS]),
+        ({"weights_move": True}, [policy.WEIGHTS_MOVE]),
+        ({"gradient_accumulation_steps": 4}, [policy.ACCUMULATION]),
+        ({"gpu": False, "weights_move": True}, [policy.NO_GPU, policy.WEIGHTS_MOVE]),
+    ],
+)
+def test_policy_blockers(change, blockers):
+    shape = replace(SHAPE, **change)
+    assert policy.cuda_graph_blockers(shape) == blockers
+    assert policy.cuda_graphs("auto", shape) is (not blockers)
+    assert policy.cuda_graphs("false", shape) is False
+    if blockers:
+        with pytest.raises(policy.GraphsBlocked) as blocked:
+            policy.cuda_graphs("true", shape)
+        assert blocked.value.blockers == blockers
+    else:
+        assert policy.cuda_graphs(True, shape) is True  # a config's bool reads as "true"
+
+
+def test_policy_auto_stays_off_where_memory_is_traded_and_bad_values_are_refused():
+    checkpointed = replace(SHAPE, gradient_checkpointing=True)
+    assert policy.cuda_graphs("auto", checkpointed) is False and policy.cuda_graphs("true", checkpointed) is True
+    assert policy.fp8_keep_transposed("auto", SHAPE) is True
+    assert policy.fp8_keep_transposed("auto", checkpointed) is False
+    assert policy.fp8_keep_transposed("TRUE", checkpointed) is True
+    with pytest.raises(ValueError, match="choose auto, true or false"):
+        policy.fp8_keep_transposed("sometimes", SHAPE)
