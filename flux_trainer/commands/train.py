@@ -19,20 +19,20 @@ MULTIRUN_FLAGS = ("-m", "--multirun")
 _exit_code = 0
 
 
-def preflight(
+def compose_checked(
     overrides: list[str], search_dirs: list[Path], *, config_path: str | None = None, config_name: str | None = None
 ):
-    """Compose and check before Hydra creates a run dir, so bad input leaves nothing behind: every refusal is one
-    line naming the override or file and the fix (flux_trainer.config.refusals). Returns the composed config."""
+    """Compose the run as Hydra will, every value resolved, or one line per problem (flux_trainer.config.refusals):
+    YAML syntax (file:line), an unknown option or key (what exists), a value Hydra cannot read, an interpolation
+    that resolves to nothing."""
     import yaml
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
 
     from flux_trainer.config import refusals
     from flux_trainer.config.compose import compose_run
     from flux_trainer.config.schema import RunConfig
-    from flux_trainer.config.validate import no_dataset_message
 
     tree = refusals.schema_keys(RunConfig)
     try:
@@ -42,8 +42,30 @@ def preflight(
     except (HydraException, OmegaConfBaseException) as exc:
         found = refusals.find_yaml_error(overrides, search_dirs, refusals.chosen_groups(overrides))
         raise ConfigError(found or _composition_problem(exc, overrides, search_dirs, tree)) from exc
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except (InterpolationToMissingValueError, MissingMandatoryValue):
+        pass  # a key left to fill (no +dataset=, a dataset file without a key): preflight names it
+    except OmegaConfBaseException as exc:
+        raise ConfigError(refusals.interpolation_problem(exc)) from exc
+    return cfg
+
+
+def preflight(
+    overrides: list[str], search_dirs: list[Path], *, config_path: str | None = None, config_name: str | None = None
+):
+    """Compose and check before Hydra creates a run dir, so bad input leaves nothing behind: every refusal is one
+    line naming the override or file and the fix (flux_trainer.config.refusals). Returns the composed config."""
+    from omegaconf import OmegaConf
+
+    from flux_trainer.config import refusals
+    from flux_trainer.config.schema import RunConfig
+    from flux_trainer.config.validate import no_dataset_message
+
+    cfg = compose_checked(overrides, search_dirs, config_path=config_path, config_name=config_name)
     if OmegaConf.is_missing(cfg, "dataset"):
         raise ConfigError(no_dataset_message(search_dirs))
+    tree = refusals.schema_keys(RunConfig)
     if unknown := refusals.unknown_added_keys(cfg, RunConfig):
         raise ConfigError([refusals.unknown_key_message(k, tree) for k in unknown])
     if missing := sorted(OmegaConf.missing_keys(cfg)):
@@ -93,6 +115,7 @@ VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--conf
                "--experimental-rerun")  # fmt: skip
 INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 SHOW_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc", "--version")
+HELP_FLAGS = ("--hydra-help", "--version")
 
 
 def split_args(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
@@ -140,10 +163,16 @@ def run_training(argv: list[str], search_dirs: list[Path] | None = None) -> int:
         argv = _replace_flag(argv, ("--config-path", "-cp"), primary)
     name = _flag(flags, "--config-name", "-cn")
     if any(f in flags for f in SHOW_FLAGS):
+        if any(f in flags for f in HELP_FLAGS):  # Hydra's own help and version: about Hydra, not this run's values
+            argv = [t for flag, value in flags.items() for t in ([flag] if value is None else [flag, value])]
+        elif overrides or primary or name:  # what --cfg / --info show must compose: the same one-line refusals
+            compose_checked(overrides, search_dirs, config_path=primary, config_name=name)
         try:
             return hydra_run(argv, search_dirs)
         except ValueError as exc:  # Hydra's own refusal of a combination ("Only one of --run, --multirun, --cfg ...")
             raise ConfigError(f"{exc} (Hydra's own flags)") from exc
+        except SystemExit as exc:  # argparse's --version prints and exits
+            return exc.code if isinstance(exc.code, int) else 0
     multirun = any(f in flags for f in MULTIRUN_FLAGS)
     check_launcher(overrides, multirun)
     if multirun:

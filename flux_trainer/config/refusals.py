@@ -203,3 +203,14 @@ def _schema_at(schema: type, path: list[str]) -> type:
     for part in path:
         node = typing.get_type_hints(node)[part]
     return node
+
+
+def interpolation_problem(exc: BaseException) -> str:
+    """An interpolation that resolves to nothing (`${oops}`, an unset `${oc.env:VAR}`, an unknown resolver), named
+    by its key: OmegaConf reads `${...}` in any value, the command line's and a dataset YAML's alike."""
+    key = getattr(exc, "full_key", None) or "a value"
+    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"{key}: {why}; `${{...}}` in a value refers to another key (e.g. ${{dataset.name}}) or a resolver "
+        "(${oc.env:VAR}); name one that exists, or write the value without `${`"
+    )

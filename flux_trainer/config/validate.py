@@ -100,12 +100,6 @@ def _check_dataset(d: DictConfig, problems: list[str]) -> None:
     scan = scan_dataset(folder, d.caption_extension)
     if scan.total == 0:
         problems.append(f"dataset '{d.name}': {folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")
-    elif scan.uncaptioned and not d.trigger:
-        some = ", ".join(scan.uncaptioned[:3]) + (" ..." if len(scan.uncaptioned) > 3 else "")
-        problems.append(
-            f"dataset '{d.name}': {len(scan.uncaptioned)} of {scan.total} images have no {d.caption_extension} "
-            f"caption ({some}) and there is no trigger word; add captions or set dataset.trigger=WORD"
-        )
 
 
 # Keys removed because their measured effect was nil (the measurements stay in docs): one release of warning.

@@ -147,6 +147,19 @@ def _stage_locked(check: FolderCheck, staged: Path, caption_extension: str, te_k
 MAX_LISTED = 20  # bad files named in one refusal; the rest counted
 
 
+def _uncaptioned(check: Any, caption_extension: str) -> list[str]:
+    """The usable images without a caption file beside them."""
+    return [n for n in check.usable() if os.path.splitext(n)[0] + caption_extension not in check.captions]
+
+
+def _uncaptioned_line(dataset: Any, names: list[str], usable: int) -> str:
+    some = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+    return (
+        f"dataset '{dataset.name}': {len(names)} of {usable} images have no {dataset.caption_extension} caption "
+        f"({some}) and there is no trigger word; add captions or set dataset.trigger=WORD"
+    )
+
+
 def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tuple[Path, list[str]]:
     """A run's dataset checked and staged: (the staged folder for sd-scripts, notes to show). ConfigError naming
     every bad file (up to MAX_LISTED), or a batch the dataset cannot fill."""
@@ -156,12 +169,17 @@ def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tup
     folder = Path(str(dataset.images)).expanduser()
     check = check_folder(folder, dataset.caption_extension, cache_dir)
     problems = check.problems()
+    uncaptioned = [] if dataset.trigger else _uncaptioned(check, dataset.caption_extension)
     if problems:
         more = f" ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
         listed = problems[:MAX_LISTED]
         listed[-1] += more
         listed.append(f"dataset '{dataset.name}': fix or remove the file(s) above (nothing was started)")
+        if uncaptioned:
+            listed.append(_uncaptioned_line(dataset, uncaptioned, len(check.usable())))
         raise ConfigError(listed)
+    if uncaptioned:
+        raise ConfigError(_uncaptioned_line(dataset, uncaptioned, len(check.usable())))
     usable = len(check.usable())
     if usable == 0:
         raise ConfigError(f"dataset '{dataset.name}': {check.folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")

@@ -209,3 +209,28 @@ def test_dataset_init_refuses_the_same_files_a_launch_refuses(tmp_path, monkeypa
         write_dataset_config(tmp_path / "configs", "bad", folder, trigger="ohwx", report=report)
     assert all(name in str(info.value) for name in BAD)
     assert not (tmp_path / "configs").exists()
+
+
+def test_a_hand_written_dataset_names_bad_files_and_missing_captions_together(workdir, capsys):
+    """Missing captions do not hide the files that would stop training: one refusal lists both, exit 2, no run dir;
+    uncaptioned images alone are one line; a trigger word makes them trainable."""
+    from flux_trainer.cli import main
+    from tests.conftest import write_dataset
+
+    folder = bad_folder(workdir)
+    make_images(folder, n=2, captions=False, size=(90, 90))  # overwrites img0/img1's pixels; their captions stay
+    for n in ("img0", "img1"):
+        (folder / f"{n}.txt").unlink()
+    write_dataset(workdir / "configs", "bad", folder)
+    args = ["model=random_tiny", "train.max_steps=1", "train.data_loader_workers=0"]
+    assert main(["+dataset=bad", *args]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in BAD), err
+    assert "2 of 4 images have no .txt caption (img0.png, img1.png)" in err and "dataset.trigger=WORD" in err
+    assert not (workdir / "runs").exists()
+    for name in BAD:
+        (folder / name).unlink()
+    assert main(["+dataset=bad", *args]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "2 of 4 images have no .txt caption" in lines[0], lines
+    assert main(["+dataset=bad", *args, "dataset.trigger=ohwx", "dry_run=true"]) == 0

@@ -29,6 +29,12 @@ CASES = {
     "control char in output_name": (["train.output_name=a\tb"], ["a plain name is needed"]),
     "bad value": (["network.rank=-1"], ["network.rank=-1: must be a positive integer"]),
     "batch over the dataset": (["train.batch_size=100000"], ["larger than dataset 'mychar' (3 images)"]),
+    "interpolation to no key": (["train.output_name=${oops}"], ["train.output_name: Interpolation key 'oops'"]),
+    "unset environment variable": (
+        ["network.rank=${oc.env:FLUX_TRAIN_NO_SUCH_VAR}"],
+        ["network.rank:", "FLUX_TRAIN_NO_SUCH_VAR"],
+    ),
+    "unknown resolver": (["train.output_name=${nope:1}"], ["train.output_name:", "nope"]),
 }
 
 
@@ -140,3 +146,27 @@ def test_the_lock_outlives_a_killed_parent_while_its_child_runs(tmp_path):
 
         time.sleep(0.05)
     assert not rundir.is_locked(folder)
+
+
+@pytest.mark.parametrize(
+    ("flag", "overrides", "wanted"),
+    [
+        (["--cfg", "job"], ["foo=1"], "foo: no such key"),
+        (["--info"], ["network.rnak=3"], "did you mean network.rank?"),
+        (["--cfg", "job", "--resolve"], ["train.output_name=${oops}"], "Interpolation key 'oops'"),
+        (["-c", "job"], ["+dataset=nope"], "dataset=nope: no such dataset config"),
+    ],
+)
+def test_hydras_flags_refuse_bad_overrides_in_one_line(workdir, capsys, flag, overrides, wanted):
+    assert main(["+dataset=mychar", *overrides, *flag]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and wanted in err and "Traceback" not in err, err
+
+
+def test_hydra_help_and_version_ignore_the_runs_overrides(workdir, capsys):
+    """--hydra-help shows Hydra's help whatever else is on the line (Hydra alone would fail to compose group
+    overrides against its own defaults list)."""
+    assert main(["+dataset=mychar", "model=random_tiny", "train.max_steps=2", "--hydra-help"]) == 0
+    assert "Hydra" in capsys.readouterr().out
+    assert main(["model=random_tiny", "--version"]) == 0
+    assert "Hydra" in capsys.readouterr().out
