@@ -217,22 +217,9 @@ def test_installed_console_script_finds_user_dataset_outside_checkout(workdir):
 
 def test_memory_auto_keeps_the_users_memory_keys(compose):
     from flux_trainer.config.tiers import resolve_memory
-    from flux_trainer.launch.device import DeviceInfo
+    from tests.cards import H200
 
-    h200 = DeviceInfo(
-        name="NVIDIA H200",
-        index=0,
-        capability=(9, 0),
-        family="hopper",
-        vram_gib=139.8,
-        count=1,
-        bf16=True,
-        fp8=True,
-        torch_version="2.11",
-        torch_cuda="13.0",
-        arch_list=("sm_90",),
-        driver=None,
-    )
+    h200 = H200
     cfg = compose("+dataset=mychar")
     resolve_memory(cfg, h200)
     assert (cfg.memory.tier, cfg.memory.gradient_checkpointing) == ("vram80", False)

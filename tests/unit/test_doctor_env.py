@@ -9,12 +9,9 @@ import pytest
 
 from flux_trainer.doctor import disk as doctor_disk
 from flux_trainer.doctor import env as doctor_env
-from flux_trainer.launch.device import DeviceInfo, family_for
+from flux_trainer.launch.device import DeviceInfo
 from flux_trainer.sdscripts.checkout import COMMIT_FILE, ENV_VAR, PINNED_COMMIT
-
-H200 = DeviceInfo("NVIDIA H200", 0, (9, 0), family_for((9, 0)), 139.8, 1, True, True, "2.11.0", "13.0", ("sm_90",))
-RTX4090 = DeviceInfo("NVIDIA GeForce RTX 4090", 0, (8, 9), "ada", 23.6, 1, True, True, "2.7.0", "12.8", ("sm_89",))
-
+from tests.cards import H200, RTX4090
 
 # ---- sd-scripts --------------------------------------------------------------------------------------------------
 

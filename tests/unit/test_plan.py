@@ -11,25 +11,11 @@ from omegaconf.errors import ReadonlyConfigError
 
 from flux_kernels.runtime import policy
 from flux_trainer.config import ConfigError
-from flux_trainer.launch.device import DeviceInfo
 from flux_trainer.plan import resolve
+from tests.cards import H200 as CARD
+from tests.cards import RTX4090
 
-H200 = DeviceInfo(
-    name="NVIDIA H200",
-    index=0,
-    capability=(9, 0),
-    family="hopper",
-    vram_gib=139.8,
-    count=2,
-    bf16=True,
-    fp8=True,
-    torch_version="2.13",
-    torch_cuda="13.0",
-    arch_list=("sm_90",),
-    driver=None,
-)
-RTX4090 = replace(H200, name="NVIDIA GeForce RTX 4090", capability=(8, 9), family="ada", vram_gib=23.6, count=1,
-                  arch_list=("sm_89",))  # fmt: skip
+H200 = replace(CARD, count=2)  # two cards: launcher.gpus=all takes both
 
 
 def test_resolve_picks_the_tier_decides_the_kernels_and_freezes_the_config(compose, monkeypatch):
