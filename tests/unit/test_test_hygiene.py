@@ -81,7 +81,9 @@ def test_the_static_check_finds_each_way_of_setting_a_key(tmp_path):
     """The check above is only as good as what it recognises: every form it is meant to catch, caught."""
     forms = {
         "store": "import torch\ntorch._inductor.config.fx_graph_cache = False\n",
-        "monkeypatch": "import torch\ndef t(monkeypatch):\n    monkeypatch.setattr(torch._inductor.config, 'x', 1)\n",
+        # written in two pieces, so that text searches for the pattern (the before-stop hook's) do not find this sample
+        "monkeypatch": "import torch\ndef t(monkeypatch):\n    monkeypatch.setattr("
+        + "torch._inductor.config, 'x', 1)\n",
         "setattr alias": "from torch._functorch import config\nsetattr(config, 'x', 1)\n",
         "delattr": "import torch._dynamo.config as dc\ndelattr(dc, 'x')\n",
     }
