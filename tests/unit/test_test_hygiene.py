@@ -131,20 +131,20 @@ def test_undoing_raises_a_failed_undo_when_the_block_passed():
 
 
 GUARDED = """
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_cfg
 
     def test_monkeypatch_deletes_the_key(monkeypatch):
-        monkeypatch.setattr(inductor_config, "fx_graph_cache", not inductor_config.fx_graph_cache)
+        monkeypatch.setattr(inductor_cfg, "fx_graph_cache", not inductor_cfg.fx_graph_cache)
 
     def test_left_changed():
-        inductor_config.force_disable_caches = not inductor_config.force_disable_caches
+        inductor_cfg.force_disable_caches = not inductor_cfg.force_disable_caches
 
     def test_through_patch_is_fine():
-        with inductor_config.patch(fx_graph_cache=False):
+        with inductor_cfg.patch(fx_graph_cache=False):
             pass
 
     def test_after_them():
-        assert inductor_config.fx_graph_cache is not None  # "does not exist" unless the guard put it back
+        assert inductor_cfg.fx_graph_cache is not None  # "does not exist" unless the guard put it back
 """
 
 
