@@ -43,6 +43,7 @@ def test_ci_runs_readmes_test_command_in_a_new_virtual_environment():
     script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "python3 -m venv" in script and "mktemp -d" in script
     assert ".ci/readme_command.py test" in script
+    assert f"command='{readme_command('test')}'" in script  # the copy CI compares README's command with
 
 
 def test_the_extractor_prints_the_command_and_refuses_a_readme_without_it(tmp_path):
