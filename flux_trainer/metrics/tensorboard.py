@@ -8,6 +8,7 @@ one run, so config, command and GPU show up next to ``loss/*``. Reading uses Ten
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 from collections.abc import Iterable, Mapping
@@ -124,7 +125,11 @@ def write_hparams(
 
 def _accumulator(logdir: str | os.PathLike[str]) -> Any:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tb_logging
 
+    # its reader logs each event file it moves on to at INFO: under Hydra's logging (a sweep's summary) that was a
+    # line per file on the terminal
+    tb_logging.get_logger().setLevel(max(tb_logging.get_logger().level, logging.WARNING))
     acc = EventAccumulator(os.fspath(logdir), size_guidance={"scalars": 0, "tensors": 0})  # 0 = load everything
     acc.Reload()
     return acc

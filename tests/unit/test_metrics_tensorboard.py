@@ -140,3 +140,18 @@ def test_the_runner_throttles_sd_scripts_tracker_and_leaves_runs_without_one_alo
     accelerator.log({"loss/current": 1.0}, step=1)  # accelerate's log flushes: now a throttled no-op, no error
     accelerator.end_training()
     assert not throttle_tracker_flush(Accelerator(cpu=True))
+
+
+def test_reading_events_is_quiet_under_a_root_logger_at_info(tmp_path, caplog):
+    """Under Hydra's logging (a sweep's summary reads every member's events) tensorboard's reader said a line per
+    event file it moved on to; reading must leave the terminal alone."""
+    import logging
+
+    from flux_trainer.metrics.tensorboard import summarize_run
+
+    run = tmp_path / "run"
+    fake_sd_scripts_run(run / "tb" / "a", steps=2)
+    fake_sd_scripts_run(run / "tb" / "a", steps=3)  # a second event file in the same folder
+    caplog.set_level(logging.INFO)
+    assert summarize_run(run).steps_done == 3
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("tensorboard")] == []
