@@ -105,23 +105,20 @@ def test_the_check_is_cached_by_size_and_time_and_redone_for_a_changed_file(tmp_
     assert decoded == ["img1.png"] and "10x10 pixels" in third.images["img1.png"].problem
 
 
-def test_launch_refuses_bad_files_before_anything_is_made(tmp_path):
+def dataset_and_model(name, folder):
+    """The dataset and model sections data.stage.ready reads, for a folder without a trigger word."""
     from omegaconf import OmegaConf
 
+    dataset = {"name": name, "images": str(folder), "caption_extension": ".txt", "trigger": None}
+    dataset.update(keep_tokens=0, flip_aug=False)
+    return OmegaConf.create(dataset), OmegaConf.create({"clip_l": "c", "t5xxl": "t", "ae": "a"})
+
+
+def test_launch_refuses_bad_files_before_anything_is_made(tmp_path):
     from flux_trainer.data.stage import ready
 
     folder = bad_folder(tmp_path)
-    dataset = OmegaConf.create(
-        {
-            "name": "bad",
-            "images": str(folder),
-            "caption_extension": ".txt",
-            "trigger": None,
-            "keep_tokens": 0,
-            "flip_aug": False,
-        }  # fmt: skip
-    )
-    model = OmegaConf.create({"clip_l": "c", "t5xxl": "t", "ae": "a"})
+    dataset, model = dataset_and_model("bad", folder)
     with pytest.raises(ConfigError) as info:
         ready(dataset, model, tmp_path / "cache")
     text = str(info.value)
@@ -130,22 +127,10 @@ def test_launch_refuses_bad_files_before_anything_is_made(tmp_path):
 
 
 def test_a_batch_larger_than_the_dataset_is_refused(tmp_path):
-    from omegaconf import OmegaConf
-
     from flux_trainer.data.stage import ready
 
     folder = make_images(tmp_path / "pics", n=3)
-    dataset = OmegaConf.create(
-        {
-            "name": "d",
-            "images": str(folder),
-            "caption_extension": ".txt",
-            "trigger": None,
-            "keep_tokens": 0,
-            "flip_aug": False,
-        }  # fmt: skip
-    )
-    model = OmegaConf.create({"clip_l": "c", "t5xxl": "t", "ae": "a"})
+    dataset, model = dataset_and_model("d", folder)
     with pytest.raises(ConfigError, match=r"train.batch_size=100000 is larger than dataset 'd' \(3 images\)"):
         ready(dataset, model, tmp_path / "cache", batch_size=100000)
     staged, _ = ready(dataset, model, tmp_path / "cache", batch_size=3)
