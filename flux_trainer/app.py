@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -72,6 +73,7 @@ class Prepared:
     random_preset: str | None
     env_lines: list[str]
     lock: rundir.OutputLock | None = None  # runs/<output_name>/ held while the run is live
+    device: Any = None  # the card planned for (launch.device.DeviceInfo): the detected one, or hardware=NAME's
 
 
 def prepare(
@@ -82,6 +84,7 @@ def prepare(
     whose run dirs are the sweep's, do not)."""
     info = info or launch_device.detect_device()
     plan = resolve(cfg, info, search_dirs=search_dirs)
+    info = plan.device  # hardware=NAME: the named card (dry_run), else the detected one
     for line in plan.said:
         say(line)
     try:
@@ -183,7 +186,7 @@ def prepare(
             lock.release()
         raise
     env = {**os.environ, **profile.env}
-    return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile), lock)
+    return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile), lock, info)
 
 
 def preflight_doctor(cfg: DictConfig, info) -> None:
@@ -244,7 +247,7 @@ def train(
     except FinishedRun:
         return 0  # prepare removed the run dir: nothing to put in it
     try:
-        return _launch(cfg, prepared, began, info)
+        return _launch(cfg, prepared, began, prepared.device or info)
     finally:
         if prepared.lock is not None:
             prepared.lock.release()

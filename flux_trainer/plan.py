@@ -72,7 +72,9 @@ def resolve(cfg: DictConfig, info, *, search_dirs: list[Path] | None = None) -> 
     read-only). Raises ConfigError with every problem."""
     from flux_trainer.launch.device import arch_supported
 
-    said = [f"warning: {w}" for w in validate(cfg, family=info.family, search_dirs=search_dirs)]
+    info, named = planned_device(cfg, info)
+    said = [named] if named else []
+    said += [f"warning: {w}" for w in validate(cfg, family=info.family, search_dirs=search_dirs)]
     if info.family != "cpu":
         ok, why = arch_supported(info)
         if not ok:
@@ -97,6 +99,40 @@ def resolve(cfg: DictConfig, info, *, search_dirs: list[Path] | None = None) -> 
     )
     OmegaConf.set_readonly(cfg, True)
     return plan
+
+
+def planned_device(cfg: DictConfig, detected):
+    """The card a run is planned for, and the line saying so (None with hardware=auto): `hardware=NAME` names a card
+    (configs/hardware/NAME.yaml). On that card, the detected one (its own torch build, count); elsewhere with
+    dry_run=true, the named card as if detected, so the run dir is the one that card would run; a real run on
+    another card is refused, naming both."""
+    from flux_trainer.launch.device import is_card, named_device
+
+    hw = cfg.hardware
+    name = str(hw.get("name", "auto"))
+    if name == "auto":
+        return detected, None
+    missing = [key for key in ("card", "capability", "vram_gib") if hw.get(key) is None]
+    if missing:
+        raise ConfigError(f"hardware={name}: its config names no {', '.join(missing)} (see configs/hardware/h100.yaml)")
+    capability = list(hw.capability)
+    if len(capability) != 2 or not all(isinstance(v, int) and v >= 0 for v in capability):
+        raise ConfigError(f"hardware={name}: capability={capability}: give [major, minor], e.g. [8, 9]")
+    gpus = str(cfg.launcher.gpus)
+    named = named_device(
+        name, str(hw.card), (capability[0], capability[1]), float(hw.vram_gib), int(gpus) if gpus.isdigit() else 1,
+        detected,
+    )  # fmt: skip
+    if is_card(named, hw.get("match"), detected):
+        return detected, f"hardware={name}: this machine's {detected.describe()} is that card"
+    if cfg.dry_run:
+        here = detected.describe() if detected.is_gpu else "no CUDA GPU"
+        return named, f"hardware={name}: planned for {named.describe()} (this machine: {here})"
+    here = f"this machine has {detected.describe()}" if detected.is_gpu else "this machine has no CUDA GPU"
+    raise ConfigError(
+        f"hardware={name} plans for an {named.name}, but {here}: train on that card, drop hardware={name} to "
+        f"train on this one, or add dry_run=true to write that card's run dir only"
+    )
 
 
 # ---- the kernels' switches, in our keys ----

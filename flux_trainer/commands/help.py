@@ -13,7 +13,7 @@ GROUPS = {
     "optimizer": "optimizer and learning-rate schedule",
     "precision": "bf16, or fp8 frozen base weights",
     "memory": "what to trade for VRAM; auto picks the tier for your card",
-    "hardware": "GPU family (auto-detected)",
+    "hardware": "the card: auto-detected, or hardware=rtx4090 (rtx3060 ... h200) to plan for a named one",
     "kernels": "fast kernels (auto) or plain sd-scripts (off)",
     "launcher": "processes, GPUs, nodes",
 }

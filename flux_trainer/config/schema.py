@@ -87,7 +87,7 @@ class PrecisionConfig:
 
 @dataclass
 class MemoryConfig:
-    tier: str = "auto"  # auto | vram12 | vram16 | vram24 | vram32 | vram48 | vram80
+    tier: str = "auto"  # auto | vram8 | vram12 | vram16 | vram24 | vram32 | vram48 | vram80
     gradient_checkpointing: bool = True
     cpu_offload_checkpointing: bool = False
     blocks_to_swap: int = 0
@@ -99,7 +99,14 @@ class MemoryConfig:
 
 @dataclass
 class HardwareConfig:
+    # `hardware=NAME` (configs/hardware/NAME.yaml): plan for that card instead of the one detected; a real run on
+    # another card is refused, `dry_run=true` writes the run dir that card would run. auto: the detected card.
+    name: str = "auto"
     family: str = "auto"  # auto | blackwell_consumer | blackwell | hopper | ada | ampere | cpu
+    card: str | None = None  # the name the card reports (torch.cuda.get_device_name)
+    match: str | None = None  # a regex: a detected card whose name matches it is this card
+    capability: list[int] | None = None  # CUDA compute capability, [major, minor]
+    vram_gib: float | None = None  # the card's memory as PyTorch reports it (total_memory / 2**30)
 
 
 @dataclass

@@ -6,17 +6,29 @@ from omegaconf import DictConfig, OmegaConf
 
 from flux_trainer.config.paths import shipped_config_dir
 
-# memory=auto: the largest tier whose VRAM (GiB) the card has, with a little headroom for the driver.
-TIER_VRAM = (("vram80", 78), ("vram48", 46), ("vram32", 30), ("vram24", 22), ("vram16", 15), ("vram12", 11))
+# memory=auto: the largest tier whose VRAM (GiB, as PyTorch reports the card's memory) the card has. A card sold as
+# N GB reports less (RTX 4090 23.65 GiB, L40S 44.39, RTX 3070 7.78: configs/hardware/), hence the thresholds.
+TIER_VRAM = (
+    ("vram80", 78),
+    ("vram48", 44),
+    ("vram32", 30),
+    ("vram24", 22),
+    ("vram16", 15),
+    ("vram12", 11),
+    ("vram8", 7),
+)
+TIERS = tuple(tier for tier, _ in TIER_VRAM)  # largest first
 
 
 def tier_for_vram(vram_gib: float | None) -> str:
+    """The tier for a card of `vram_gib` (None: no GPU, `cpu`); a card below the smallest tier's size gets the
+    smallest, whose block swap leaves the least on the card."""
     if vram_gib is None:
         return "cpu"
     for tier, need in TIER_VRAM:
         if vram_gib >= need:
             return tier
-    return "vram12"
+    return TIERS[-1]
 
 
 def resolve_memory(cfg: DictConfig, info) -> str | None:

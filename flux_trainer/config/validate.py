@@ -18,7 +18,25 @@ from flux_trainer.config.refusals import output_name_problem
 from flux_trainer.data.check import IMAGE_EXTENSIONS
 
 OPTIMIZERS = ("prodigy", "adamw", "adamw8bit", "adafactor")
-MEMORY_TIERS = ("auto", "cpu", "vram12", "vram16", "vram24", "vram32", "vram48", "vram80")
+MEMORY_TIERS = ("auto", "cpu", "vram8", "vram12", "vram16", "vram24", "vram32", "vram48", "vram80")
+
+
+def model_depth(model: DictConfig) -> tuple[int, int]:
+    """(double, single) blocks of the model: a random preset's own shapes, else FLUX.1's 19 and 38."""
+    from flux_trainer.config.random_specs import PRESETS
+
+    preset = model.get("random_preset")
+    shape = PRESETS[preset]["flux"] if preset in PRESETS else {"depth": 19, "depth_single_blocks": 38}
+    return int(shape["depth"]), int(shape["depth_single_blocks"])
+
+
+def max_blocks_to_swap(double: int, single: int) -> int:
+    """The largest `blocks_to_swap` sd-scripts accepts (flux_models.Flux.enable_block_swap): n // 2 double blocks and
+    2 (n - n // 2) single blocks swapped, each kind keeping 2 on the GPU (FLUX.1: 35)."""
+    n = 0
+    while (n + 1) // 2 <= double - 2 and 2 * ((n + 1) - (n + 1) // 2) <= single - 2:
+        n += 1
+    return n
 
 
 def tier_gib(tier: str) -> float | None:
@@ -28,7 +46,9 @@ def tier_gib(tier: str) -> float | None:
 
 
 FAMILIES = ("auto", "blackwell_consumer", "blackwell", "hopper", "ada", "ampere", "older", "cpu")
-FP8_FAMILIES = ("blackwell_consumer", "blackwell", "hopper", "ada")
+# fp8 base weights are stored in fp8 and multiplied in bf16 (sd-scripts' fp8_base) from Ampere on, which has bf16; fp8
+# tensor-core matmuls (the fp8_matmul kernel) need Ada (sm_89) or newer, which the kernel's own check decides
+FP8_FAMILIES = ("blackwell_consumer", "blackwell", "hopper", "ada", "ampere")
 RESOLUTION_RANGE = (64, 2048)
 
 
@@ -156,6 +176,11 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
         )
     if mem.blocks_to_swap < 0:
         problems.append(f"memory.blocks_to_swap={mem.blocks_to_swap}: must be 0 or more")
+    elif mem.blocks_to_swap > (most := max_blocks_to_swap(*model_depth(cfg.model))):
+        problems.append(
+            f"memory.blocks_to_swap={mem.blocks_to_swap}: this model swaps at most {most} (sd-scripts keeps 2 double "
+            "and 2 single blocks on the GPU)"
+        )
     try:
         skip = checkpoint_skip_setting(mem.get("checkpoint_skip", CHECKPOINT_SKIP_AUTO))
     except ValueError as e:
@@ -174,8 +199,8 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
     fp8 = mem.fp8_base if mem.fp8_base is not None else cfg.precision.fp8_base
     if fp8 and effective_family is not None and effective_family not in FP8_FAMILIES + ("auto",):
         problems.append(
-            f"fp8 base weights (precision=fp8_base or memory={mem.tier}) need fp8 support (Ada sm_89, Hopper, "
-            f"Blackwell); this GPU family is {effective_family}: use precision=bf16 and a larger memory tier"
+            f"fp8 base weights (precision=fp8_base or memory={mem.tier}) need an Ampere (sm_80) or newer GPU; "
+            f"this GPU family is {effective_family}: use precision=bf16 and a larger memory tier"
         )
 
     if problem := kernel_set_problem(cfg.kernels.set):

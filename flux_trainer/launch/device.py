@@ -200,3 +200,36 @@ def detect_device(index: int = 0) -> DeviceInfo:
         arch_list=arch_list,
         driver=driver,
     )
+
+
+def named_device(
+    name: str, card: str, capability: tuple[int, int], vram_gib: float, count: int, here: DeviceInfo
+) -> DeviceInfo:
+    """The card a `hardware=NAME` preset describes, as if detected: its family, bf16 and fp8 from the capability.
+    The software is this machine's (`here`'s torch); the architecture list is left empty (the card's own machine
+    has its own torch build; `arch_supported` says it was not checked)."""
+    capability = (int(capability[0]), int(capability[1]))
+    return DeviceInfo(
+        name=card,
+        index=0,
+        capability=capability,
+        family=family_for(capability, card),
+        vram_gib=float(vram_gib),
+        count=max(1, count),
+        bf16=capability >= (8, 0),
+        fp8=capability >= (8, 9),
+        torch_version=here.torch_version,
+        torch_cuda=here.torch_cuda,
+        arch_list=(),
+        driver=None,
+    )
+
+
+def is_card(named: DeviceInfo, match: str | None, detected: DeviceInfo) -> bool:
+    """Whether the detected card is the one a preset names: its name matches the preset's `match` (a regex,
+    case-insensitive; else the preset's card name is contained in it) and the capability is the same."""
+    if not detected.is_gpu or detected.capability != named.capability:
+        return False
+    if match:
+        return re.search(match, detected.name, flags=re.IGNORECASE) is not None
+    return named.name.lower() in detected.name.lower()

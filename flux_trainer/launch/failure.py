@@ -10,8 +10,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-# Smaller presets in order: an OOM at one tier suggests the next.
-MEMORY_TIERS = ("vram80", "vram48", "vram32", "vram24", "vram16", "vram12")
+from flux_trainer.config.tiers import TIERS as MEMORY_TIERS  # largest first: an OOM at one tier suggests the next
+
 # Import names whose pip package has another name.
 _PIP_NAMES = {
     "cv2": "opencv-python-headless",
@@ -34,7 +34,7 @@ def _next_tier(memory_tier: str | None) -> str:
             f"memory={memory_tier} is already the smallest preset: raise memory.blocks_to_swap, or lower "
             "dataset.resolution (768 or 512)"
         )
-    return "pick a memory preset below your card's VRAM (memory=vram24, vram16, vram12)"
+    return "pick a memory preset below your card's VRAM (memory=vram24, vram16, vram12, vram8)"
 
 
 def _missing_module(m: re.Match) -> str:

@@ -121,12 +121,25 @@ def test_bad_values_name_key_and_fix(overrides, needle, compose):
     assert any(needle in p for p in problems), problems
 
 
-def test_fp8_on_a_family_without_fp8(compose):
+def test_fp8_base_needs_ampere_or_newer(compose):
+    """fp8 base weights are stored in fp8 and multiplied in bf16 from Ampere on (an RTX 3060's 12 GB tier needs
+    them); a card older than Ampere has no bf16 and is refused."""
     cfg = compose("+dataset=mychar", "model=random_tiny", "precision=fp8_base")
-    (p,) = problems_of(cfg, family="ampere")
-    assert "fp8" in p and "ampere" in p and "precision=bf16" in p
-    assert validate(cfg, family="hopper") == []
-    assert problems_of(compose("+dataset=mychar", "model=random_tiny", "memory=vram24", "hardware.family=ampere"))
+    (p,) = problems_of(cfg, family="older")
+    assert "fp8" in p and "older" in p and "precision=bf16" in p
+    for family in ("ampere", "ada", "hopper", "blackwell_consumer"):
+        assert validate(cfg, family=family) == []
+    assert problems_of(compose("+dataset=mychar", "model=random_tiny", "memory=vram24", "hardware.family=older"))
+    assert validate(compose("+dataset=mychar", "model=random", "memory=vram12", "hardware.family=ampere")) == []
+
+
+@pytest.mark.parametrize(("model", "most"), [("random", 35), ("random_tiny", 0)])
+def test_blocks_to_swap_beyond_what_sd_scripts_swaps_is_refused(compose, model, most):
+    """sd-scripts asserts at the first step that 2 double and 2 single blocks stay on the GPU: FLUX.1 swaps at most
+    35 (17 double, 36 single), the tiny preset (1 + 1 blocks) none."""
+    assert validate(compose("+dataset=mychar", f"model={model}", f"memory.blocks_to_swap={most}")) == []
+    (p,) = problems_of(compose("+dataset=mychar", f"model={model}", f"memory.blocks_to_swap={most + 1}"))
+    assert f"memory.blocks_to_swap={most + 1}" in p and f"at most {most}" in p
 
 
 def test_folder_without_images(compose, workdir):

@@ -207,7 +207,7 @@ def test_explain_out_of_memory_names_the_next_smaller_preset():
     assert "ran out of memory" in message and "memory=vram16" in message
     assert "gradient_checkpointing" in message and "fp8_base" in message
     assert "memory=vram12" in explain_failure(OOM_TAIL, "vram16")
-    assert "smallest" in explain_failure(OOM_TAIL, "vram12")
+    assert "smallest" in explain_failure(OOM_TAIL, "vram8")
 
 
 def test_explain_other_causes():
