@@ -5,6 +5,9 @@ and runner as training, for several presets / kernel sets / resolutions; a table
     flux-train bench --cases memory=vram24 --vram-cap 24      # prove a 24 GB card's preset on a bigger card
     flux-train bench --cases memory=vram48 --kernels off fp8+kernels.cuda_graphs=true   # one set's own overrides
     flux-train bench --kernels fp8 "fp8+kernels.set='auto,fp8_matmul,-single_qkv'" --abba   # A B B A
+    flux-train bench --tiers                  # every memory tier at its card's size, plain sd-scripts beside each
+    flux-train bench --tiers vram8 vram12 --kernels off auto --steps 25   # with numerics against kernels=off
+    flux-train bench --table a.json b.json    # the tier table of benches run apart (one machine per tier group)
 
 Step time is measured the same way for flux-train and for plain sd-scripts (`--baseline`): the wall time
 between successive `loss/current` TensorBoard events, which sd-scripts writes once per optimizer step after
@@ -426,8 +429,12 @@ def run_baseline(ours: BenchResult, ns: argparse.Namespace) -> BenchResult:
     return result
 
 
+# a desktop card also drives a display: a tier plans for its size less this (the card's peak must stay under it)
+DISPLAY_HEADROOM_GIB = 0.5
+
+
 def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
-    """The cap for one case: a number, or with 'tier' the NN of its memory=vramNN override."""
+    """The cap for one case: a number, or with 'tier' its memory=vramNN tier's NN GiB less the display's headroom."""
     if not vram_cap:
         return None
     if vram_cap != "tier":
@@ -436,8 +443,114 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
 
     for o in overrides:
         if o.startswith("memory=vram"):
-            return tier_gib(o.removeprefix("memory="))
+            return tier_gib(o.removeprefix("memory=")) - DISPLAY_HEADROOM_GIB
     return None
+
+
+# What each tier is meant to reach (H200 at the tier's cap, 1024², LoRA r16, batch 1): s/step, and the least speed-up
+# over plain sd-scripts on the same TOMLs where one is set. A larger tier must also be no slower than a smaller one.
+TIER_TARGETS = {
+    "vram8": (0.80, 1.8),
+    "vram12": (0.58, None),
+    "vram16": (0.50, None),
+    "vram24": (0.42, None),
+    "vram32": (0.38, None),
+    "vram48": (None, None),
+    "vram80": (0.35, None),
+}
+
+
+def tier_cards() -> dict[str, list[str]]:
+    """Each tier and the shipped cards (configs/hardware/) that memory=auto gives it."""
+    from omegaconf import OmegaConf
+
+    from flux_trainer.config.paths import shipped_config_dir
+    from flux_trainer.config.tiers import tier_for_vram
+
+    cards: dict[str, list[str]] = {}
+    for path in sorted((shipped_config_dir() / "hardware").glob("*.yaml")):
+        preset = OmegaConf.load(path)
+        if preset.get("vram_gib"):
+            cards.setdefault(tier_for_vram(float(preset.vram_gib)), []).append(path.stem)
+    return cards
+
+
+def _override(overrides: list[str], key: str) -> str | None:
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith(f"{key}=")), None)
+
+
+def tier_rows(results: list[BenchResult]) -> list[dict]:
+    """One row per tier: our run (the last kernel set measured on it), plain sd-scripts on its TOMLs, the ratio, the
+    card peaks against the tier's size less the display's headroom, the target and the numerics against the first
+    kernel set where one was compared."""
+    from flux_trainer.config.tiers import TIERS
+    from flux_trainer.config.validate import tier_gib
+
+    plain = {r.case.removesuffix(" (plain sd-scripts)"): r for r in results if r.case.endswith("(plain sd-scripts)")}
+    ours: dict[str, BenchResult] = {}
+    for r in results:
+        tier = _override(r.overrides, "memory")
+        if tier and not r.case.endswith("(plain sd-scripts)") and (r.case in plain or tier not in ours):
+            ours[tier] = r
+    cards, rows = tier_cards(), []
+    for tier in sorted(ours, key=lambda t: -TIERS.index(t) if t in TIERS else 0):
+        r, b = ours[tier], plain.get(ours[tier].case)
+        limit = (tier_gib(tier) or 0) - DISPLAY_HEADROOM_GIB
+        target, speedup = TIER_TARGETS.get(tier, (None, None))
+        ratio = b.s_per_step / r.s_per_step if b and b.s_per_step and r.s_per_step else None
+        met = [
+            r.exit_code == 0 and r.s_per_step is not None,
+            target is None or (r.s_per_step is not None and r.s_per_step <= target),
+            speedup is None or (ratio is not None and ratio >= speedup),
+            r.card_peak_gib is not None and r.card_peak_gib <= limit,
+        ]
+        rows.append({
+            "tier": tier, "cards": cards.get(tier, []), "kernels": _override(r.overrides, "kernels"),
+            "s_per_step": r.s_per_step, "plain_s_per_step": b.s_per_step if b else None, "ratio": ratio,
+            "card_peak_gib": r.card_peak_gib, "plain_card_peak_gib": b.card_peak_gib if b else None,
+            "torch_peak_gib": r.torch_peak_gib, "limit_gib": limit, "target_s_per_step": target,
+            "target_ratio": speedup, "met": all(met), "loss_rel_diff": r.loss_rel_diff,
+            "lora_cosine": r.lora_cosine, "compared_to": r.compared_to, "first_step_s": r.first_step_s,
+            "plain_first_step_s": b.first_step_s if b else None,
+        })  # fmt: skip
+    for smaller, larger in zip(rows, rows[1:], strict=False):  # a larger tier is never slower than a smaller one
+        if None not in (smaller["s_per_step"], larger["s_per_step"]) and larger["s_per_step"] > smaller["s_per_step"]:
+            larger["met"] = False
+            larger["slower_than"] = smaller["tier"]
+    return rows
+
+
+def tier_table(rows: list[dict]) -> str:
+    """The tier rows as a Markdown table (README's comes from it)."""
+    lines = [
+        "| tier | cards (memory=auto) | flux-train s/step | plain sd-scripts | ratio | card peak ours / plain | "
+        "limit | target | met | loss diff / LoRA cos vs kernels=off |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in rows:
+        target = " / ".join(x for x in (
+            _num(w["target_s_per_step"], ".2f") if w["target_s_per_step"] else "",
+            f">= {w['target_ratio']}x" if w["target_ratio"] else "",
+            f"<= {w['slower_than']}" if w.get("slower_than") else "",
+        ) if x) or "-"  # fmt: skip
+        numerics = (f"{w['loss_rel_diff'] * 100:.2f}% / {w['lora_cosine']:.4f}"
+                    if w["loss_rel_diff"] is not None and w["lora_cosine"] is not None else "-")  # fmt: skip
+        lines.append(
+            f"| {w['tier']} | {', '.join(w['cards']) or '-'} | {_num(w['s_per_step'], '.3f')} "
+            f"| {_num(w['plain_s_per_step'], '.3f')} | {_num(w['ratio'], '.2f')}x "
+            f"| {_num(w['card_peak_gib'], '.1f')} / {_num(w['plain_card_peak_gib'], '.1f')} GiB "
+            f"| {w['limit_gib']:.1f} | {target} | {'yes' if w['met'] else 'NO'} | {numerics} |"
+        )
+    return "\n".join(lines)
+
+
+def results_from(paths: list[Path]) -> list[BenchResult]:
+    """Bench results read back from the JSON files earlier benches wrote."""
+    out = []
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["results"]:
+            out.append(BenchResult(**r))
+    return out
 
 
 def table(results: list[BenchResult]) -> str:
@@ -510,15 +623,31 @@ def bench_main(argv: list[str]) -> int:
     ap.add_argument("--baseline", action="store_true", help="also run plain sd-scripts on each case's TOMLs")
     ap.add_argument(
         "--vram-cap",
-        help="limit the training process to this many GiB of device memory; 'tier': each "
-        "case's memory=vramNN tier's own NN GiB",
+        help="treat the card as having this many GiB (its CUDA context included); 'tier': each "
+        "case's memory=vramNN tier's NN GiB less a display's 0.5",
     )
     ap.add_argument("--root", type=Path, default=Path("runs") / "bench", help="where the bench runs go")
     ap.add_argument("--json", type=Path, help="write the results here (default <root>/bench-<time>.json)")
     ap.add_argument("--abba", action="store_true", help="run every case twice, the second pass in reverse order "
                     "(A B B A), and compare the cases' mean s/step over both passes")  # fmt: skip
+    ap.add_argument("--tiers", nargs="*", metavar="TIER", help="every memory tier (or those named) at its size less "
+                    "the display's 0.5 GiB (--vram-cap tier), plain sd-scripts beside each (--baseline); prints the "
+                    "tier table")  # fmt: skip
+    ap.add_argument("--table", nargs="+", type=Path, metavar="JSON", help="print the tier table of earlier benches' "
+                    "JSON files (tiers measured apart, on several machines) and stop")  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every case")
     ns = ap.parse_args(argv)
+    if ns.table:
+        print(tier_table(tier_rows(results_from(ns.table))))
+        return 0
+    if ns.tiers is not None:
+        from flux_trainer.config.tiers import TIERS
+
+        unknown = [t for t in ns.tiers if t not in TIERS]
+        if unknown:
+            ap.error(f"--tiers {' '.join(unknown)}: choose from {' '.join(reversed(TIERS))}")
+        ns.cases = [f"memory={t}" for t in (ns.tiers or reversed(TIERS))]
+        ns.vram_cap, ns.baseline = ns.vram_cap or "tier", True
     root = ns.root.resolve()
     results, plan = [], cases(ns.cases, ns.kernels, ns.resolution)
     ours, again = [], []
@@ -535,7 +664,9 @@ def bench_main(argv: list[str]) -> int:
         results.append(run_case(name, overrides, res, ns, root))
         results[-1].notes.append(f"vram_cap_gib={cap}")
         (ours if run_pass == 1 else again).append(results[-1])
-        baseline = ns.baseline and run_pass == 1 and results[-1].run_dir
+        # plain sd-scripts once per case, on the TOMLs of its last kernel set (the one a tier table reports)
+        last_set = overrides[-len(kernel_overrides(ns.kernels[-1])) :] == kernel_overrides(ns.kernels[-1])
+        baseline = ns.baseline and run_pass == 1 and last_set and results[-1].run_dir
         if baseline:
             results.append(run_baseline(results[-1], ns))
         print(table(results[-2 if baseline else -1 :]), flush=True)
@@ -548,6 +679,11 @@ def bench_main(argv: list[str]) -> int:
         compare_kernel_sets(ours, plan, ns.kernels[0])
         print(f"\nnumerics against kernels={ns.kernels[0]} (same seed and data; 1st step +s: its compute time minus "
               f"the median step)\n{numerics_table(ours)}")  # fmt: skip
+    tiers = tier_rows(results) if ns.tiers is not None else None
+    if tiers:
+        print(
+            f"\nmemory tiers (card peaks against the tier's size less {DISPLAY_HEADROOM_GIB} GiB)\n{tier_table(tiers)}"
+        )
     out = ns.json or root / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -558,6 +694,7 @@ def bench_main(argv: list[str]) -> int:
                 "steps": ns.steps,
                 "results": [asdict(r) for r in results],
                 **({"abba": abba} if abba else {}),
+                **({"tiers": tiers} if tiers else {}),
             },
             indent=1,
         )

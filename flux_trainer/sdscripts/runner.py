@@ -259,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def apply_vram_cap(cap_gib: str | None) -> None:
-    """`flux-train bench --vram-cap GB`: this process may use at most that much device memory, so a large card
-    proves what fits a small one (PyTorch's per-process memory fraction; the CUDA context is outside it)."""
+    """`flux-train bench --vram-cap GB`: the card is treated as having that much memory, so a large card proves what
+    fits a small one. PyTorch's per-process memory fraction is set to the cap less what the card already holds
+    outside PyTorch's cache (this process's CUDA context, other processes), as a card of that size would have left."""
     if not cap_gib:
         return
     import torch
@@ -268,10 +269,14 @@ def apply_vram_cap(cap_gib: str | None) -> None:
     if not torch.cuda.is_available():
         return
     index = torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    fraction = min(1.0, float(cap_gib) * 2**30 / total)
+    free, total = torch.cuda.mem_get_info(index)
+    outside = total - free - torch.cuda.memory_reserved(index)
+    fraction = min(1.0, max(0.0, float(cap_gib) * 2**30 - outside) / total)
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    log.info("VRAM cap: %.1f GiB of %.1f GiB (fraction %.4f)", float(cap_gib), total / 2**30, fraction)
+    log.info(
+        "VRAM cap: the card as %.1f GiB of its %.1f GiB: %.2f GiB outside PyTorch now, PyTorch's fraction %.4f",
+        float(cap_gib), total / 2**30, outside / 2**30, fraction,
+    )  # fmt: skip
 
 
 def _is_main_process() -> bool:
