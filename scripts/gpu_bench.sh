@@ -4,7 +4,9 @@
 # carry: .whl (../shared/gpu/wheels.sh) and .gpu/sd-scripts.   Usage: [TAG=name] bash scripts/gpu_bench.sh BENCH_ARGS...
 # (TAG names the run root /tmp/TAG and the files $OUT/TAG.json, .log, -tags.txt: several benches in one call;
 #  KERNELS=dir runs another copy of kernels/ as flux_kernels, to compare two versions of a kernel in one call;
-#  EXTRA_PYTHONPATH=dirs goes first on the path: packages installed apart, such as flash-attn-4)
+#  EXTRA_PYTHONPATH=dirs goes first on the path: packages installed apart, such as flash-attn-4;
+#  SETUP_ONLY=1 installs and generates the model, then stops: run it once before benches in parallel, one per GPU
+#  with CUDA_VISIBLE_DEVICES=N, each with its own FLUX_TRAIN_CACHE=/tmp/ftcacheN sharing /tmp/ftcache's model)
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; TAG=${TAG:-bench}
 REPO=$PWD
@@ -16,7 +18,9 @@ REPO=$PWD
   python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || true; touch /tmp/site/.installed; }
 python3 -m compileall -q -j 0 "$REPO/flux_trainer" "$REPO/kernels" "$REPO/.gpu/sd-scripts" > /dev/null 2>&1 || true
 mkdir -p /tmp/pkgs && ln -sfn "${KERNELS:-$REPO/kernels}" /tmp/pkgs/flux_kernels   # the wheel maps kernels/ -> flux_kernels
-export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}/tmp/site:/tmp/pkgs:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=/tmp/ftcache
+CACHE=${FLUX_TRAIN_CACHE:-/tmp/ftcache}
+if [ "$CACHE" != /tmp/ftcache ]; then mkdir -p "$CACHE" /tmp/ftcache/models && ln -sfn /tmp/ftcache/models "$CACHE/models"; fi
+export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}/tmp/site:/tmp/pkgs:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=$CACHE
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
 cd /tmp
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -24,6 +28,7 @@ python3 -c "
 from pathlib import Path
 from flux_trainer.sdscripts.random_model import ensure_random_model
 ensure_random_model(Path('/tmp/ftcache/models'), 'full', device='cuda', log=print)" | tail -2
+[ -z "${SETUP_ONLY:-}" ] || exit 0
 python3 -m flux_trainer.cli bench --root "/tmp/$TAG" --json "$OUT/$TAG.json" "$@" > "$OUT/$TAG.log" 2>&1 || echo "bench exit $?"
 grep -B2 -A40 "^case" "$OUT/$TAG.log" | grep -v "Directory watcher\|No path found" | tail -24
 TAG=$TAG OUT=$OUT python3 - <<'PY' > "$OUT/$TAG-tags.txt"
