@@ -252,3 +252,13 @@ def test_setup_captioner_builds_random_tiny_and_refuses_an_unknown_name(env, cap
 def test_clean_makes_one_printable_line():
     assert clean("  A cat\non a\tmat.\x00\ufffd ") == "A cat on a mat."
     assert clean("\n\x07\ufffd") == ""
+
+
+def test_help_lists_the_subcommand(capsys):
+    assert main(["--help"]) == 0
+    assert "dataset caption DIR" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["dataset", "caption", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--model", "--overwrite", "--trigger", "--prompt", "--batch-size", "--dry-run"):
+        assert option in out
