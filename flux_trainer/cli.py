@@ -4,6 +4,7 @@
     flux-train -m +dataset=mychar network.rank=8,16                  sweep (Hydra multirun)
     flux-train -m hydra/launcher=slurm hydra.launcher.partition=gpu ...  sweep members as SLURM jobs
     flux-train dataset init NAME --images DIR                        write configs/dataset/NAME.yaml
+    flux-train dataset caption DIR [--model NAME]                    caption the images that have none
     flux-train demo                                                  tiny random model on generated images
     flux-train setup [--models]                                      get sd-scripts (and model files)
     flux-train runs [ROOT]                                           list runs with their metrics

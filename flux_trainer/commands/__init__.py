@@ -1,5 +1,6 @@
-"""`flux-train`'s commands, one module each: train (Hydra overrides, the default), dataset, demo, setup, runs,
-bench, doctor (a package of its own), help. `dispatch` routes a subcommand; `fail` is every command's one line."""
+"""`flux-train`'s commands, one module each: train (Hydra overrides, the default), dataset, caption (`dataset
+caption`), demo, setup, runs, bench, doctor (a package of its own), help. `dispatch` routes a subcommand; `fail`
+is every command's one line."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def fail(exc: BaseException, code: int = 2, prefix: str = "") -> int:
 
 
 def dispatch(argv: list[str]) -> int:
+    from flux_trainer.caption.models import DEFAULT
+    from flux_trainer.commands.caption import add_arguments
+
     ap = argparse.ArgumentParser(prog="flux-train")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -37,12 +41,27 @@ def dispatch(argv: list[str]) -> int:
     init.add_argument("--repeats", type=int, default=10)
     init.add_argument("--config-dir", type=Path, help=f"where to write (default ./configs, or ${CONFIG_DIR_ENV})")
     init.add_argument("--force", action="store_true", help="overwrite an existing config of that name")
+    init.add_argument(
+        "--caption",
+        nargs="?",
+        const=DEFAULT,
+        metavar="MODEL",
+        help="first caption the images that have none (`dataset caption`), with MODEL or the default captioner",
+    )
+    add_arguments(ds.add_parser("caption", help="write a caption beside every image that has none (a VLM)"))
 
     demo = sub.add_parser("demo", help="train the tiny random model on generated images (no downloads)")
     demo.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. train.max_steps=10")
 
     setup = sub.add_parser("setup", help="get the pinned sd-scripts checkout (and model files)")
     setup.add_argument("--models", action="store_true", help="also download the model files the config names")
+    setup.add_argument(
+        "--captioner",
+        nargs="?",
+        const=DEFAULT,
+        metavar="NAME",
+        help="with --models: download only this captioner (default: the default one) instead of FLUX's files",
+    )
     setup.add_argument("overrides", nargs="*", help="Hydra overrides naming the model, e.g. model=flux_schnell")
 
     sub.add_parser("bench", help="measure s/step and memory on the random full-size model", add_help=False)
@@ -60,6 +79,10 @@ def dispatch(argv: list[str]) -> int:
 
         return doctor_main(argv[1:])
     ns = ap.parse_args(argv)
+    if ns.command == "dataset" and ns.action == "caption":
+        from flux_trainer.commands.caption import caption_command
+
+        return caption_command(ns)
     if ns.command == "dataset":
         from flux_trainer.commands.dataset import dataset_init
 
@@ -71,6 +94,10 @@ def dispatch(argv: list[str]) -> int:
     if ns.command == "setup":
         from flux_trainer.commands.setup import setup
 
+        if ns.captioner:
+            from flux_trainer.commands.setup import setup_captioner
+
+            return setup_captioner(ns.captioner, ns.overrides)
         return setup(models=ns.models, overrides=ns.overrides)
     if ns.command == "runs":
         from flux_trainer.commands.runs import runs_command

@@ -71,6 +71,39 @@ def describe_folder(folder: Path) -> FolderReport:
     return report
 
 
+def config_problems(
+    report: FolderReport,
+    name: str,
+    path: Path,
+    *,
+    trigger: str | None,
+    resolution: int,
+    force: bool,
+    captions_to_come: bool = False,
+) -> list[str]:
+    """Every reason not to write the config, at once. `captions_to_come`: `--caption` will caption the images that
+    have none, so missing captions are not one (yet)."""
+    problems = []
+    if not name or not all(c.isalnum() or c in "_-" for c in name):
+        problems.append(f"dataset name {name!r}: use letters, digits, '_' and '-'")
+    if report.total == 0:
+        problems.append(f"--images {report.folder}: no images ({' '.join(IMAGE_EXTENSIONS)})")
+    if report.problems:
+        problems += report.problems[:20]
+        more = f" ({len(report.problems) - 20} more not listed)" if len(report.problems) > 20 else ""
+        problems.append(f"--images {report.folder}: fix or remove the {len(report.problems)} file(s) above{more}")
+    if report.uncaptioned and not trigger and not captions_to_come:
+        problems.append(
+            f"{len(report.uncaptioned)} images have no .txt caption; add captions, pass --caption to write them, "
+            "or pass --trigger WORD"
+        )
+    if resolution % 16 or resolution < 64:
+        problems.append(f"--resolution {resolution}: must be a multiple of 16 (at least 64)")
+    if path.exists() and not force:
+        problems.append(f"{path} exists; pass --force to overwrite it")
+    return problems
+
+
 def write_dataset_config(
     config_dir: Path,
     name: str,
@@ -86,22 +119,8 @@ def write_dataset_config(
     """Write <config_dir>/dataset/<name>.yaml. Refuses an empty or missing folder, unreadable images,
     uncaptioned images without a trigger word, and an existing config unless force."""
     report = report or describe_folder(images)
-    problems = []
-    if not name or not all(c.isalnum() or c in "_-" for c in name):
-        problems.append(f"dataset name {name!r}: use letters, digits, '_' and '-'")
-    if report.total == 0:
-        problems.append(f"--images {report.folder}: no images ({' '.join(IMAGE_EXTENSIONS)})")
-    if report.problems:
-        problems += report.problems[:20]
-        more = f" ({len(report.problems) - 20} more not listed)" if len(report.problems) > 20 else ""
-        problems.append(f"--images {report.folder}: fix or remove the {len(report.problems)} file(s) above{more}")
-    if report.uncaptioned and not trigger:
-        problems.append(f"{len(report.uncaptioned)} images have no .txt caption; add captions or pass --trigger WORD")
-    if resolution % 16 or resolution < 64:
-        problems.append(f"--resolution {resolution}: must be a multiple of 16 (at least 64)")
     path = Path(config_dir) / "dataset" / f"{name}.yaml"
-    if path.exists() and not force:
-        problems.append(f"{path} exists; pass --force to overwrite it")
+    problems = config_problems(report, name, path, trigger=trigger, resolution=resolution, force=force)
     if problems:
         raise ConfigError(problems)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +148,8 @@ def dataset_init(ns: argparse.Namespace) -> int:
     )
     report = describe_folder(ns.images)
     print(report.text())
+    if ns.caption:
+        report = caption_for_init(ns, config_dir, report)
     path = write_dataset_config(
         config_dir,
         ns.name,
@@ -141,3 +162,23 @@ def dataset_init(ns: argparse.Namespace) -> int:
     )
     print(f"wrote {path}\nnext: flux-train +dataset={ns.name} dry_run=true")
     return 0
+
+
+def caption_for_init(ns: argparse.Namespace, config_dir: Path, report: FolderReport) -> FolderReport:
+    """`dataset init --caption`: refuse what would refuse the config first (no minutes of captioning before "the
+    name is invalid"), then caption the images without one. The trigger word is not written into the captions: the
+    config's `trigger` puts it in front of every caption at training, and written too it would come twice."""
+    from flux_trainer.commands.caption import caption_images, prepare
+
+    path = Path(config_dir) / "dataset" / f"{ns.name}.yaml"
+    problems = config_problems(
+        report, ns.name, path, trigger=ns.trigger, resolution=ns.resolution, force=ns.force, captions_to_come=True
+    )
+    if problems:
+        raise ConfigError(problems)
+    spec, plan, files = prepare(ns.images, ns.caption, overwrite=False)
+    outcome = caption_images(spec, plan, files)
+    print("captions: " + outcome.summary())
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    return describe_folder(ns.images)

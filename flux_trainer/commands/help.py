@@ -21,6 +21,7 @@ GROUPS = {
 EXAMPLES = """\
 examples:
   flux-train dataset init mychar --images ~/pics/mychar --trigger ohwx
+  flux-train dataset caption ~/pics/mychar --dry-run  # show 3 captions from the captioner, write nothing
   flux-train +dataset=mychar dry_run=true            # write the run dir, do not train
   flux-train +dataset=mychar                          # train with the defaults (Prodigy, bf16, rank 16)
   flux-train +dataset=mychar network.rank=32 optimizer=adamw train.max_steps=2000
@@ -45,11 +46,12 @@ def group_options(group: str, user_dirs: list[Path] | None = None) -> list[str]:
 def help_text() -> str:
     lines = [
         "usage: flux-train [+dataset=NAME] [GROUP=OPTION ...] [KEY=VALUE ...] [-m] [-v]",
-        "       flux-train {dataset init,demo,setup,runs,doctor,bench} ...",
+        "       flux-train {dataset init,dataset caption,demo,setup,runs,doctor,bench} ...",
         "       flux-train [overrides] --cfg job|hydra|all [--resolve] | --info [TOPIC] | --hydra-help",
         "",
         "subcommands:",
         "  dataset init NAME --images DIR   check a folder of images, write configs/dataset/NAME.yaml",
+        "  dataset caption DIR [--model M]  write a caption beside each image without one (a VLM)",
         "  demo                             train a tiny random-weight FLUX on generated images (no download)",
         "  setup [--models]                 get sd-scripts at the pinned commit (and the model files)",
         "  runs [ROOT]                      list runs and sweep members: steps, loss, s/step, peak VRAM",

@@ -81,10 +81,17 @@ class ModelFile:
     target: Path
     repo_id: str
     filename: str
+    revision: str | None = None  # None: the hub's default branch
+    source: str = ""  # what named this file, for messages; "" : the config's model.hub.<part>
 
     @property
     def staging(self) -> Path:
         return self.target.parent / STAGING_DIR / self.target.name
+
+    def setting(self, key: str) -> str:
+        """The setting behind `key` ("repo_id", "filename") and its value, as a message names it."""
+        value = getattr(self, key)
+        return f"{self.source} ({key} {value})" if self.source else f"model.hub.{self.part}.{key}={value}"
 
 
 def plan_downloads(cfg) -> tuple[list[ModelFile], dict[str, Path]]:
@@ -164,7 +171,9 @@ def download_one(f: ModelFile) -> Path:
             f"{f.part}: resuming, {human(partial)} already here" + (note if constants.HF_HUB_ENABLE_HF_TRANSFER else "")
         )
     try:
-        fetched = Path(hf_hub_download(repo_id=f.repo_id, filename=f.filename, local_dir=f.staging))
+        fetched = Path(
+            hf_hub_download(repo_id=f.repo_id, filename=f.filename, revision=f.revision, local_dir=f.staging)
+        )
     except KeyboardInterrupt:
         print(f"{f.part}: interrupted; run the same command again to resume", file=sys.stderr)
         raise
@@ -209,7 +218,7 @@ def explain_hub_error(exc: BaseException, f: ModelFile) -> ConfigError | None:
         )
     if isinstance(exc, RepositoryNotFoundError):
         return ConfigError(
-            f"model.hub.{f.part}.repo_id={f.repo_id}: no such repository on {constants.ENDPOINT}, or it is private "
+            f"{f.setting('repo_id')}: no such repository on {constants.ENDPOINT}, or it is private "
             f"and your hub login cannot see it; check the name, or log in with {login}"
         )
     if isinstance(exc, LocalEntryNotFoundError):  # the first request failed, before any byte moved
@@ -231,7 +240,7 @@ def explain_hub_error(exc: BaseException, f: ModelFile) -> ConfigError | None:
             f"HTTPS_PROXY or HF_ENDPOINT and run this again, or put the file at {f.target} yourself"
         )
     if isinstance(exc, EntryNotFoundError):
-        return ConfigError(f"model.hub.{f.part}.filename={f.filename}: {f.repo_id} has no such file (see {page})")
+        return ConfigError(f"{f.setting('filename')}: {f.repo_id} has no such file (see {page})")
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         status = exc.response.status_code
         if status == 401:
@@ -307,4 +316,57 @@ def setup(models: bool = False, overrides: list[str] | None = None) -> int:
     if models:
         got = download_models(cfg)
         print("models ready: " + ", ".join(f"{part}={path}" for part, path in got.items()))
+    return 0
+
+
+def download_captioner(spec, folder: Path) -> Path:
+    """A captioner's files into `folder`, each through `download_one` (resumable, renamed into place whole): its
+    listed files, those of its optional ones the repository has, then the weight shards its index names."""
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from flux_trainer.caption.models import INDEX, missing_files, shard_names
+
+    def fetch(filename: str, optional: bool = False) -> None:
+        f = ModelFile(spec.name, folder / filename, spec.repo_id, filename, spec.revision, f"captioner {spec.name}")
+        if f.target.is_file():
+            return
+        f.target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            download_one(f)
+        except ConfigError as exc:
+            if not (optional and isinstance(exc.__cause__, EntryNotFoundError)):
+                raise
+            shutil.rmtree(f.staging, ignore_errors=True)  # not in this repository: nothing to keep
+            with contextlib.suppress(OSError):
+                f.staging.parent.rmdir()
+
+    for name in spec.files:
+        fetch(name)
+    for name in spec.optional:
+        fetch(name, optional=True)
+    for name in shard_names(folder / INDEX):
+        fetch(name)
+    missing = missing_files(spec, folder)
+    if missing:
+        raise DownloadError(f"captioner {spec.name}: {', '.join(missing)} still missing in {folder}; run this again")
+    return folder
+
+
+def setup_captioner(name: str | None, overrides: list[str] | None = None) -> int:
+    """`setup --models --captioner [NAME]`: that captioner only (random_tiny: built here, nothing downloaded)."""
+    from flux_trainer.caption.models import captioner_dir, resolve
+
+    if overrides:
+        raise ConfigError(f"setup --captioner takes no config overrides (got {' '.join(overrides)}); run them apart")
+    spec = resolve(name)
+    folder = captioner_dir(spec)
+    if not spec.downloads:
+        from flux_trainer.caption.tiny import ensure_random_tiny
+
+        ensure_random_tiny(folder)
+        print(f"{spec.name}: built at {folder} (random weights, nothing to download)")
+        return 0
+    print(f"captioner {spec.name}: {spec.repo_id} (about {spec.bf16_gb:g} GB) -> {folder}")
+    download_captioner(spec, folder)
+    print(f"captioner ready: {spec.name} at {folder}")
     return 0
