@@ -95,6 +95,8 @@ class MemoryConfig:
     # with gradient checkpointing: blocks that keep their activations instead (auto: as many as the card's memory
     # holds, measured at the first step; 0: every block checkpointed, as sd-scripts does; N: that many)
     checkpoint_skip: str = "auto"
+    # the tier has room for CUDA graphs' pool beside checkpointing: kernels.cuda_graphs=auto replays the blocks there
+    cuda_graphs: bool | None = None  # None (memory=auto before the tier is chosen): the tier decides
 
 
 @dataclass

@@ -30,6 +30,8 @@ class RunShape:
     gradient_checkpointing: bool
     weights_move: bool
     gradient_accumulation_steps: int = 1
+    # the memory tier has room for the graphs' pool beside checkpointing (memory.cuda_graphs): `auto` replays there too
+    graphs_fit: bool = False
 
     @property
     def trades_memory(self) -> bool:
@@ -65,17 +67,18 @@ def cuda_graph_blockers(shape: RunShape) -> list[str]:
 
 def cuda_graphs(value: object, shape: RunShape) -> bool:
     """Whether the compiled blocks replay from CUDA graphs (torch.compile "reduce-overhead"). `auto`: where memory
-    is not traded for speed, since the graphs' own memory pool adds about 1.5 GiB on the card (measured on an H200:
-    4% faster at vram80, 3% at vram48, 10% at vram24, each tier +1.4-1.5 GiB; at vram24 with every block
-    checkpointed selectively, 0.390 s/step against 0.468 for that tier's default, +0.3 GiB on the card, but 24 GB
-    cards' steps wait on the GPU, not the CPU, so not by default). On several GPUs each process replays its own
-    graphs (two H200s, vram80: 0.3515 s/step against 0.3532 without, the same losses, +1.9 GiB on the card)."""
+    is not traded for speed, or where the tier says its memory has room for the graphs' own pool (about 1.5 GiB on the
+    card) beside checkpointing (`graphs_fit`). Measured on an H200: 4% faster at vram80; at the 24 GB tier's cap
+    (fp8 base, every block checkpointed selectively) 0.372 s/step against 0.464 for the tier without graphs, 20.4 GiB
+    on the card (2026-11-28); with a bf16 base at vram48 0.471 against 0.460, so not there. On several GPUs each
+    process replays its own graphs (two H200s, vram80: 0.3515 s/step against 0.3532 without, the same losses, +1.9
+    GiB on the card)."""
     chosen = setting(value)
     blockers = cuda_graph_blockers(shape)
     if chosen == "true" and blockers:
         raise GraphsBlocked(blockers)
     if chosen == "auto":
-        return not blockers and not shape.gradient_checkpointing
+        return not blockers and (not shape.gradient_checkpointing or shape.graphs_fit)
     return chosen == "true"
 
 

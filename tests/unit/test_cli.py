@@ -73,11 +73,11 @@ def test_a_removed_key_is_accepted_with_one_line_and_ignored(workdir, capsys, ke
     ("args", "expected"),
     [
         (
-            ["memory=vram48"],
+            ["memory=vram48", "hardware=l40s"],
             {"checkpoint_skip": "auto", "tier_gib": 48.0, "blocked": None, "max_image_tokens": 512 * 512 // 256},
         ),
         (
-            ["memory=vram32", "memory.checkpoint_skip=12", "dataset.resolution=1024"],
+            ["memory=vram32", "memory.checkpoint_skip=12", "dataset.resolution=1024", "hardware=rtx5090"],
             {"checkpoint_skip": "12", "tier_gib": 32.0, "blocked": None, "max_image_tokens": 4096},
         ),
         (

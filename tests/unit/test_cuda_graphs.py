@@ -19,8 +19,10 @@ from tests.conftest import undoing
     ("overrides", "gpu", "want"),
     [
         (["memory=vram80"], True, True),  # no checkpointing: memory is not traded for speed
-        (["memory=vram48"], True, False),  # checkpointing tiers keep their memory (graphs add ~1.5 GiB)
-        (["memory=vram24"], True, False),
+        (["memory=vram48"], True, True),  # checkpointing tiers with room for the graphs' ~1.5 GiB (memory.cuda_graphs)
+        (["memory=vram24"], True, True),
+        (["memory=vram16"], True, False),  # block swap: the weights the graphs would read move
+        (["memory=vram48", "memory.fp8_base=false", "memory.cuda_graphs=false"], True, False),
         (["memory=vram80", "kernels=off"], True, False),
         (["memory=vram80", "kernels=fused"], True, False),  # no compile_blocks in that set
         (["memory=vram80", "kernels=compile"], True, True),
@@ -28,7 +30,7 @@ from tests.conftest import undoing
         (["memory=vram80", "kernels.set='auto,-compile_blocks'"], True, False),  # auto without the compile
         (["memory=vram80"], False, False),  # a CPU run
         (["memory=vram80", "train.gradient_accumulation_steps=2"], True, False),
-        (["memory=vram48", "kernels.cuda_graphs=true"], True, True),
+        (["memory=vram48", "memory.cuda_graphs=false", "kernels.cuda_graphs=true"], True, True),
         (["memory=vram80", "kernels.cuda_graphs=false"], True, False),
         (["memory=vram80", "kernels.set='auto,activation_offload'"], True, True),  # nothing checkpointed to offload
         # the offloaded tensors are held until their copies are done (flux_kernels.memory.activation_offload.HOLD)

@@ -251,4 +251,5 @@ def test_fp8_base_follows_the_memory_tier_auto_picks_for_the_card(compose):
     assert doctor_models.effective_fp8_base(cfg, card(15.6)) is True  # vram16: fp8 base
     assert doctor_models.effective_fp8_base(cfg, card(139.8)) is False  # vram80: the precision decides
     assert doctor_models.effective_fp8_base(compose("precision=fp8_base"), card(139.8)) is True
-    assert doctor_models.effective_fp8_base(compose("memory=vram48"), card(15.6)) is False  # an explicit tier stays
+    assert doctor_models.effective_fp8_base(compose("memory=vram48"), card(15.6)) is True  # an explicit tier stays
+    assert doctor_models.effective_fp8_base(compose("memory=vram48", "memory.fp8_base=false"), card(15.6)) is False

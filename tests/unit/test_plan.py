@@ -31,11 +31,19 @@ def test_resolve_picks_the_tier_decides_the_kernels_and_freezes_the_config(compo
         plan.cfg.memory.tier = "vram12"  # a later layer cannot decide again
 
 
-def test_a_smaller_card_trades_memory_so_the_switches_stay_off(compose, monkeypatch):
+def test_a_smaller_card_trades_memory_so_the_switches_stay_off_unless_its_tier_has_room(compose, monkeypatch):
+    """vram24 checkpoints and has room for CUDA graphs' pool (memory.cuda_graphs); the fp8 weights' transposes stay
+    off; a tier without the room (or a user who says so) replays nothing; block swap moves what graphs would read."""
     monkeypatch.setattr("flux_trainer.launch.device.arch_supported", lambda info: (True, ""))
     plan = resolve(compose("+dataset=mychar", "dry_run=true"), RTX4090)
     assert plan.tier == "vram24" and plan.gpus == 1
-    assert not plan.kernels.cuda_graphs and not plan.kernels.fp8_keep_transposed
+    assert plan.kernels.cuda_graphs and not plan.kernels.cuda_graphs_asked and not plan.kernels.fp8_keep_transposed
+    mine = resolve(compose("+dataset=mychar", "dry_run=true", "memory.cuda_graphs=false"), RTX4090)  # typed
+    assert mine.tier == "vram24" and not mine.kernels.cuda_graphs  # the user's key kept over the tier's
+    for tier in ("vram16", "vram12", "vram8"):
+        assert not resolve(compose("+dataset=mychar", "dry_run=true", f"memory={tier}"), RTX4090).kernels.cuda_graphs
+    accumulating = compose("+dataset=mychar", "dry_run=true", "train.gradient_accumulation_steps=2")
+    assert not resolve(accumulating, RTX4090).kernels.cuda_graphs  # auto: off where something blocks them
 
 
 def test_cuda_graphs_asked_where_they_cannot_run_names_every_reason_in_our_keys(compose, monkeypatch):
