@@ -153,6 +153,8 @@ class BlockSwapOffloader:
         self.handles: list = []
         self.moves = 0
         self.bytes_moved = 0
+        self.time_copies = False  # benchmarks: each move's copies between two events on the side stream
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self.seconds_copying = 0.0  # host time spent making the page-locked copies
         problem = self.problem() if check else None
         if problem:
@@ -307,12 +309,17 @@ class BlockSwapOffloader:
             used = torch.cuda.Event()
             used.record(torch.cuda.current_stream(self.device))  # after the outgoing block's last queued use
             self.copy_stream.wait_event(used)
+            start = torch.cuda.Event(enable_timing=True) if self.time_copies else None
+            if start is not None:
+                start.record(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
                 for buf, h in zip(bufs, src, strict=True):
                     buf.copy_(h, non_blocking=True)
                     buf.record_stream(self.copy_stream)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=start is not None)
             done.record(self.copy_stream)
+            if start is not None:
+                self._timed.append((start, done, sum(t.numel() * t.element_size() for t in src)))
             self.pending[to_device] = done
         else:
             for buf, h in zip(bufs, src, strict=True):
@@ -320,6 +327,14 @@ class BlockSwapOffloader:
         self._point(to_device, bufs)
         self.moves += 1
         self.bytes_moved += sum(t.numel() * t.element_size() for t in src)
+
+    def copy_stats(self) -> tuple[int, float]:
+        """(bytes, seconds) the side stream spent copying since the last call, with `time_copies` (waits for them)."""
+        if self._timed:
+            self._timed[-1][1].synchronize()
+        done = sum(n for _, _, n in self._timed), sum(a.elapsed_time(b) for a, b, _ in self._timed) / 1e3
+        self._timed = []
+        return done
 
     def _wait(self, block_idx: int) -> None:
         done = self.pending.pop(block_idx, None)
