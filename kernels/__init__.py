@@ -15,10 +15,12 @@ LoRA gradient norms from rank-sized factors), prodigy_step and adamw_step (the o
 reads; install into the optimizer), single_process_reduce and coalesced_reduce (sd-scripts' gradient all-reduce: none on
 one process, one collective per dtype on several; install into the trainer), selective_checkpoint (checkpointed blocks
 keep their attention and wide-input matmul outputs), compile_blocks (regional torch.compile), activation_offload (what
-checkpointed compiled blocks keep for backward waits in page-locked host memory; opt-in). `auto` = attention +
-fp8_matmul (only on an fp8 base) + lora_fold (widening and narrowing layers, without checkpointing) + lora_grad_norms
-(where a LoRA is applied) + prodigy_step or adamw_step (whichever the optimizer is) + the all-reduce pair +
-selective_checkpoint (where blocks are checkpointed) + compile_blocks; the Triton ones are opt-in (registry `in_auto`);
+checkpointed compiled blocks keep for backward waits in page-locked host memory; opt-in), block_swap (sd-scripts'
+--blocks_to_swap schedule with page-locked weight copies made once and side-stream copies, no host waits). `auto` =
+attention + fp8_matmul (only on an fp8 base) + lora_fold (widening and narrowing layers, without checkpointing) +
+lora_grad_norms (where a LoRA is applied) + prodigy_step or adamw_step (whichever the optimizer is) + the all-reduce
+pair + selective_checkpoint (where blocks are checkpointed) + compile_blocks + block_swap (where sd-scripts swaps
+blocks); the Triton ones are opt-in (registry `in_auto`);
 "auto,name,-other" adds to and takes from auto (`runtime.request`).
 
 Layers, one folder each (imports go from runtime's leaves up to its registry; no module imports one that imports it):
@@ -29,7 +31,8 @@ Layers, one folder each (imports go from runtime's leaves up to its registry; no
             `verify` checks them), `attention` (backends, probe and choice; `fa4` its cuDNN + FlashAttention-4
             backend), `single_qkv`, `fp8` (fp8 matmuls as custom ops), `lora_fold`, `lora_norms`, `prologue`,
             `compile_blocks` (with `graph_record`: CUDA graph recording without cudagraph trees' quadratic search)
-  memory/   what checkpointed blocks keep, and where: `selective_checkpoint`, `activation_offload`, `l2` (not installed)
+  memory/   what checkpointed blocks keep, and where: `selective_checkpoint`, `activation_offload`, `l2` (not
+            installed); where swapped blocks' weights live: `block_swap`
   runtime/  `registry` (KernelSpec, probe, select: the one table of kernels; `applies` and `examples` its conditions
             and probe inputs), `request` (kernels.set, without torch), `errors`, `device` (what device is this),
             `timing`

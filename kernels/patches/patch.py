@@ -322,11 +322,12 @@ def install_lora_fold(model: nn.Module, **_) -> str:
 def remove_kernels(model: nn.Module) -> list[str]:
     """Undo everything `apply_kernels` did: blocks get sd-scripts' class `_forward` back and lose compilation,
     Linear layers get their forward back (weights that fp8_matmul quantised stay fp8)."""
-    from flux_kernels.memory import activation_offload
+    from flux_kernels.memory import activation_offload, block_swap
     from flux_kernels.memory import selective_checkpoint as sac
     from flux_kernels.patches import compile_blocks, fp8, lora_fold, lora_norms, prologue
 
-    undone = ["fp8"] if fp8.uninstall(model) else []
+    undone = ["block_swap"] if block_swap.remove(model) else []
+    undone += ["fp8"] if fp8.uninstall(model) else []
     undone += ["activation_offload"] if activation_offload.remove(model) else []
     undone += ["selective_checkpoint"] if sac.remove(model) else []
     undone += ["lora_fold"] if lora_fold.uninstall(model) else []

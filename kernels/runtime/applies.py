@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from flux_kernels.memory import block_swap
 from flux_kernels.patches import fp8, lora_fold, lora_norms
 from flux_kernels.patches.blocks import find_blocks
 from flux_kernels.runtime.device import as_device_info, triton_available, triton_interpreting
@@ -101,6 +102,19 @@ def checkpoints_blocks(model) -> tuple[bool, str]:
     if getattr(model, "blocks_to_swap", None):
         return False, "block swap is on (that tier saves memory)"
     return True, "gradient checkpointing is on"
+
+
+def swaps_blocks(model) -> tuple[bool, str]:
+    """`auto` replaces sd-scripts' block swap where the model has it on (its `enable_block_swap` made the two
+    offloaders this kernel takes the place of) and nothing in the blocks stops it (block_swap.refusal: trained or
+    mismatched weights); otherwise sd-scripts' own swap stays."""
+    n = getattr(model, "blocks_to_swap", None)
+    if not n:
+        return False, "block swap is off (memory.blocks_to_swap=0)"
+    why = block_swap.refusal(model)
+    if why:
+        return False, f"{why}; sd-scripts' own swap stays"
+    return True, f"{n} blocks swapped"
 
 
 def compile_applies(device) -> tuple[bool, str]:

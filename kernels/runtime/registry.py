@@ -7,8 +7,9 @@ fast op), a probe that runs both on tiny random inputs on this device, and `sele
     off       nothing
     [names]   exactly these; one that does not apply or fails its probe is an error naming why
     auto,a,-b auto's kernels plus `a` (insisted on, as above) without `b` (flux_kernels.runtime.request)
-Installed in registry order whatever the order asked (compile_blocks after the patches, so it compiles them, and
-activation_offload after it, since it wraps the compiled calls).
+Installed in registry order whatever the order asked (compile_blocks after the patches, so it compiles them,
+activation_offload after it, since it wraps the compiled calls, and block_swap last, since it copies the frozen
+weights as the others left them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from flux_kernels.memory import activation_offload
+from flux_kernels.memory import activation_offload, block_swap
 from flux_kernels.memory import selective_checkpoint as sac
 from flux_kernels.ops import adamw, coalesced_reduce, fast, prodigy, reference, single_process
 from flux_kernels.patches import compile_blocks, fp8, lora_fold, lora_norms, patch, prologue, single_qkv
@@ -39,6 +40,7 @@ from flux_kernels.runtime.applies import (
     has_lora,
     has_wide_lora,
     several_processes,
+    swaps_blocks,
     triton_applies,
 )
 from flux_kernels.runtime.device import DeviceInfo, as_device_info
@@ -401,6 +403,17 @@ REGISTRY: dict[str, KernelSpec] = {
             fast=activation_offload.offloaded_region,
             example=offload_example,
             in_auto=False,  # slower at a tier's own cap without CUDA graphs (README); kernels=offload adds them
+        ),
+        KernelSpec(
+            "block_swap",
+            "sd-scripts' block swap schedule (--blocks_to_swap) with each swapped weight's page-locked host copy made "
+            "once, the outgoing block pointed back at it (no copy: the weights are frozen) and the incoming one "
+            "copied into the card buffers it frees on a side stream ordered by CUDA events, instead of host waits "
+            "on the whole compute stream and pageable copies both ways for every swap",
+            cuda_applies,
+            block_swap.install,
+            check=lambda info: block_swap.self_check(info.torch_device),
+            auto_if=swaps_blocks,  # last: it copies the weights as the kernels before it (fp8_matmul) left them
         ),
     )
 }

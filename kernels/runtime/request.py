@@ -33,6 +33,7 @@ KERNEL_NAMES = (
     "selective_checkpoint",
     "compile_blocks",
     "activation_offload",
+    "block_swap",
 )
 
 

@@ -179,7 +179,8 @@ def test_every_registry_entry_is_frozen_and_complete():
     assert list(REGISTRY) == ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate",
                               "single_qkv", "double_qkv", "fp8_matmul", "lora_fold", "flux_prologue", "lora_grad_norms",
                               "prodigy_step", "adamw_step", "single_process_reduce", "coalesced_reduce",
-                              "selective_checkpoint", "compile_blocks", "activation_offload"]  # fmt: skip
+                              "selective_checkpoint", "compile_blocks", "activation_offload",
+                              "block_swap"]  # fmt: skip
     # these install into the optimizer, this one into our trainer
     assert {n: s.target for n, s in REGISTRY.items() if s.target != "model"} == {
         "prodigy_step": "optimizer", "adamw_step": "optimizer", "single_process_reduce": "trainer",
@@ -189,14 +190,16 @@ def test_every_registry_entry_is_frozen_and_complete():
     # (where a LoRA is applied) + Prodigy's or AdamW's step (whichever the optimizer is) + no all-reduce on one
     # process, one per dtype on several + selective checkpointing (where blocks are checkpointed) + regional compile;
     # the Triton ops are opt-in until they beat compile_blocks, the double blocks' q/k/v until a whole step shows its
-    # gain, activation_offload until it is measured at the tiers' caps
+    # gain, activation_offload until it is measured at the tiers' caps; block_swap where sd-scripts swaps blocks
     assert [n for n, s in REGISTRY.items() if s.in_auto] == ["attention", "single_qkv", "fp8_matmul", "lora_fold",
                                                               "flux_prologue",
                                                               "lora_grad_norms", "prodigy_step", "adamw_step",
                                                               "single_process_reduce", "coalesced_reduce",
-                                                              "selective_checkpoint", "compile_blocks"]  # fmt: skip
+                                                              "selective_checkpoint", "compile_blocks",
+                                                              "block_swap"]  # fmt: skip
     assert [n for n, s in REGISTRY.items() if s.auto_if is not None] == ["fp8_matmul", "lora_fold", "lora_grad_norms",
-                                                                         "selective_checkpoint"]  # fmt: skip
+                                                                         "selective_checkpoint",
+                                                                         "block_swap"]  # fmt: skip
     for spec in REGISTRY.values():
         with pytest.raises(dataclasses.FrozenInstanceError):
             spec.name = "x"
@@ -246,7 +249,7 @@ assert torch.equal(fast.modulate(x, s, s), reference.modulate(x, s, s))
 sel = registry.select("auto", "cpu")
 assert sel.installed == ("flux_prologue", "lora_grad_norms"), sel  # plain PyTorch: the ones auto takes on a CPU
 assert set(sel.skipped) == {"attention", "single_qkv", "fp8_matmul", "lora_fold", "selective_checkpoint",
-                            "compile_blocks"}, sel
+                            "compile_blocks", "block_swap"}, sel
 for name in ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate"):
     try:
         registry.select([name], "cpu")
