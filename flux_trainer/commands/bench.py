@@ -611,8 +611,8 @@ def bench_main(argv: list[str]) -> int:
     ap.add_argument(
         "--kernels",
         nargs="+",
-        default=["off"],
-        help="kernel sets: off auto ...; '+' adds overrides "
+        default=None,
+        help="kernel sets (default off; with --tiers auto): off auto ...; '+' adds overrides "
         "for that set alone (fp8+kernels.cuda_graphs=true); with several, each case's per-step loss and "
         "final LoRA are compared with the first set's (same seed and data)",
     )
@@ -647,7 +647,9 @@ def bench_main(argv: list[str]) -> int:
         if unknown:
             ap.error(f"--tiers {' '.join(unknown)}: choose from {' '.join(reversed(TIERS))}")
         ns.cases = [f"memory={t}" for t in (ns.tiers or reversed(TIERS))]
+        ns.kernels = ns.kernels or ["auto"]
         ns.vram_cap, ns.baseline = ns.vram_cap or "tier", True
+    ns.kernels = ns.kernels or ["off"]
     root = ns.root.resolve()
     results, plan = [], cases(ns.cases, ns.kernels, ns.resolution)
     ours, again = [], []

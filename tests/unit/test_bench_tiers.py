@@ -62,7 +62,7 @@ def test_tiers_runs_every_tier_capped_with_plain_beside_and_writes_the_table(tmp
     monkeypatch.setattr(bench, "run_baseline", lambda r, ns: plain(r, 0.9, 1.0))
     out = tmp_path / "b.json"
     assert bench.bench_main(["--tiers", "vram8", "vram24", "--json", str(out), "--root", str(tmp_path)]) == 0
-    assert ran == ["vram8_k-off_1024", "vram24_k-off_1024"] and caps == [7.5, 23.5]
+    assert ran == ["vram8_k-auto_1024", "vram24_k-auto_1024"] and caps == [7.5, 23.5]  # kernels=auto by default
     saved = json.loads(out.read_text())
     assert [t["tier"] for t in saved["tiers"]] == ["vram8", "vram24"] and saved["vram_cap_gib"] == "tier"
     assert len(saved["results"]) == 4  # each tier and plain sd-scripts beside it
