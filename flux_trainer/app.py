@@ -173,6 +173,7 @@ def prepare(
             staged_copy=bool(cfg.train.staged_copy),
             sync_free=bool(cfg.train.sync_free),
             memory=checkpoint_skip_spec(cfg),
+            t5xxl_fp8=bool(cfg.memory.get("t5xxl_fp8")),
         )
         spec.write(run_dir)
         cmd = launch_command.launch_command(

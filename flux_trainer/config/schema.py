@@ -97,6 +97,9 @@ class MemoryConfig:
     checkpoint_skip: str = "auto"
     # the tier has room for CUDA graphs' pool beside checkpointing: kernels.cuda_graphs=auto replays the blocks there
     cuda_graphs: bool | None = None  # None (memory=auto before the tier is chosen): the tier decides
+    # T5-XXL cast to fp8 before it encodes the captions (9.5 GB in bf16 does not fit an 8 GB card; sd-scripts runs an
+    # fp8 T5 as its own fp8 T5 file), once, when the text-encoder outputs are cached
+    t5xxl_fp8: bool | None = None
 
 
 @dataclass

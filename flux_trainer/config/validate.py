@@ -181,6 +181,11 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
             f"memory.blocks_to_swap={mem.blocks_to_swap}: this model swaps at most {most} (sd-scripts keeps 2 double "
             "and 2 single blocks on the GPU)"
         )
+    elif mem.blocks_to_swap == 1:
+        problems.append(
+            "memory.blocks_to_swap=1 swaps no double block (sd-scripts swaps n // 2 of them), and sd-scripts then "
+            "leaves every double block on the CPU: choose 0 or 2 and more"
+        )
     try:
         skip = checkpoint_skip_setting(mem.get("checkpoint_skip", CHECKPOINT_SKIP_AUTO))
     except ValueError as e:

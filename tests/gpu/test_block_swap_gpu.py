@@ -104,8 +104,9 @@ def setup_swap(model, swap: int, dev, ours: bool) -> str:
 
 @pytest.mark.parametrize(
     ("dtype", "swap", "fp8"),
-    [("bf16", 1, None), ("bf16", 5, "quantised"), ("fp8", 8, "fp8 base")],
-    ids=["bf16-swap1", "bf16-fp8_matmul-swap5", "fp8-fp8_matmul-swap8"],
+    # (not 1: it swaps no double block, and sd-scripts then leaves the double blocks on the host; flux-train refuses it)
+    [("bf16", 3, None), ("bf16", 5, "quantised"), ("fp8", 8, "fp8 base")],
+    ids=["bf16-swap3", "bf16-fp8_matmul-swap5", "fp8-fp8_matmul-swap8"],
 )
 def test_sd_scripts_swap_and_block_swap_give_the_same_bits_and_memory(fm, dev, bench, dtype, swap, fp8):
     torch_dtype = torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16

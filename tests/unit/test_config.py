@@ -142,6 +142,13 @@ def test_blocks_to_swap_beyond_what_sd_scripts_swaps_is_refused(compose, model, 
     assert f"memory.blocks_to_swap={most + 1}" in p and f"at most {most}" in p
 
 
+def test_one_block_swapped_is_refused(compose):
+    """n // 2 = 0 double blocks swapped: sd-scripts' offloader for them does nothing, also not put them on the GPU."""
+    (p,) = problems_of(compose("+dataset=mychar", "model=random", "memory.blocks_to_swap=1"))
+    assert "memory.blocks_to_swap=1" in p and "choose 0 or 2" in p
+    assert validate(compose("+dataset=mychar", "model=random", "memory.blocks_to_swap=2")) == []
+
+
 def test_folder_without_images(compose, workdir):
     empty = workdir / "empty"
     empty.mkdir()

@@ -129,3 +129,20 @@ def test_presets_say_what_the_card_is():
         assert preset.name == name and preset.card.startswith("NVIDIA") and len(preset.capability) == 2
         assert 7 <= preset.vram_gib <= 141, name
         assert Path(shipped_config_dir() / "hardware" / f"{name}.yaml").read_text().startswith("# flux-train")
+
+
+def test_the_8gb_tier_casts_t5_to_fp8_to_encode_the_captions(workdir):
+    """T5-XXL in bf16 (9.5 GB) does not fit an 8 GB card when sd-scripts moves it there to cache the captions'
+    embeddings: memory.t5xxl_fp8 reaches the training process, which casts it (sd-scripts runs an fp8 T5 itself)."""
+    import torch
+
+    from flux_trainer.sdscripts.runner import RunnerSpec, t5_to_fp8
+
+    assert main(["+dataset=mychar", "model=random", "hardware=rtx4060", "dry_run=true"]) == 0
+    assert main(["+dataset=mychar", "model=random", "hardware=rtx3060", "dry_run=true"]) == 0
+    eight, twelve = run_dirs(workdir)
+    assert RunnerSpec.read(eight).t5xxl_fp8 is True and RunnerSpec.read(twelve).t5xxl_fp8 is False
+    t5 = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    t5.dtype = torch.bfloat16  # sd-scripts' T5 has a dtype property: the cast is skipped when it says fp8 already
+    t5_to_fp8(t5)
+    assert all(p.dtype == torch.float8_e4m3fn for p in t5.parameters())
