@@ -294,6 +294,10 @@ def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
     log_lines = ["environment (env.json): " + "; ".join(prepared.env_lines)]
     if cfg.dry_run:
         say(log_lines[0])
+        if str(cfg.hardware.get("name", "auto")) != "auto" and info.is_gpu:  # the named card: what it would run
+            from flux_trainer.doctor.gpu import kernels_for_card
+
+            say(kernels_for_card(info).evidence)
         say("dry_run=true: wrote config.yaml, sd_scripts.toml, dataset.toml, command.txt; not launching")
         say(f"would run: {shlex.join(prepared.command)}")
         return 0

@@ -314,11 +314,28 @@ def power_limit_check(info: DeviceInfo, nvml=None) -> CheckResult:
     return CheckResult(check, PASS, f"{limit:.0f} W (the card's default {default:.0f} W)", "", GROUP, data)
 
 
+def kernels_for_card(info: DeviceInfo) -> CheckResult:
+    """Which of flux_kernels' kernels and attention backends a run on this card gets, from its capability (each is
+    still probed against its reference at the run's start), and on which cards they were verified."""
+    check = "kernels for card"
+    if not info.is_gpu:
+        return CheckResult(check, SKIP, "no CUDA GPU: flux_kernels apply to CUDA GPUs", "", GROUP)
+    from flux_kernels.runtime import cards
+
+    card = {"type": "cuda", "name": info.name, "capability": info.capability, "bf16": info.bf16,
+            "vram_gib": info.vram_gib}  # fmt: skip
+    line = cards.summary(card)
+    verified = info.family in cards.VERIFIED_ON
+    data = {"verified_here": verified, "kernels": [c.name for c in cards.kernels_on(card) if c.applies]}
+    return CheckResult(check, PASS if verified else WARN, line, "" if verified else
+                       "nothing to do: the run probes each kernel on this card and says what it installed", GROUP, data)  # fmt: skip
+
+
 def identity_checks(info: DeviceInfo) -> list[CheckResult]:
     """The no-kernel part: identity, driver, torch build."""
     return [gpu_identity(info), driver_check(info), torch_build_check(info)]
 
 
 def runtime_checks(info: DeviceInfo) -> list[CheckResult]:
-    """The real-device part: bf16 and fp8 matmuls on it, its power limit."""
-    return [bf16_check(info), fp8_check(info), power_limit_check(info)]
+    """The real-device part: bf16 and fp8 matmuls on it, its power limit, the kernels a run on it gets."""
+    return [bf16_check(info), fp8_check(info), power_limit_check(info), kernels_for_card(info)]

@@ -146,3 +146,21 @@ def test_the_8gb_tier_casts_t5_to_fp8_to_encode_the_captions(workdir):
     t5.dtype = torch.bfloat16  # sd-scripts' T5 has a dtype property: the cast is skipped when it says fp8 already
     t5_to_fp8(t5)
     assert all(p.dtype == torch.float8_e4m3fn for p in t5.parameters())
+
+
+def test_a_dry_run_for_a_named_card_says_which_kernels_it_gets_and_what_was_verified(workdir, capsys):
+    assert main(["+dataset=mychar", "model=random", "hardware=rtx5090", "dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels on NVIDIA GeForce RTX 5090 (sm_120):" in out and "chosen by capability" in out
+    assert main(["+dataset=mychar", "model=random", "hardware=h100", "dry_run=true"]) == 0
+    assert "verified on H100 / H200" in capsys.readouterr().out
+
+
+def test_the_doctor_row_for_a_card_passes_where_verified_and_warns_elsewhere():
+    from flux_trainer.doctor.core import PASS, SKIP, WARN
+    from flux_trainer.doctor.gpu import kernels_for_card
+
+    assert kernels_for_card(H200).status == PASS
+    row = kernels_for_card(RTX4090)
+    assert row.status == WARN and "fp8_matmul" in row.data["kernels"] and "probes each kernel" in row.fix
+    assert kernels_for_card(DeviceInfo.cpu()).status == SKIP
