@@ -327,8 +327,8 @@ def kernels_for_card(info: DeviceInfo) -> CheckResult:
     line = cards.summary(card)
     verified = info.family in cards.VERIFIED_ON
     data = {"verified_here": verified, "kernels": [c.name for c in cards.kernels_on(card) if c.applies]}
-    return CheckResult(check, PASS if verified else WARN, line, "" if verified else
-                       "nothing to do: the run probes each kernel on this card and says what it installed", GROUP, data)  # fmt: skip
+    fix = "" if verified else "nothing to do: the run probes each kernel on this card and says what it installed"
+    return CheckResult(check, PASS if verified else WARN, line, fix, GROUP, data)
 
 
 def identity_checks(info: DeviceInfo) -> list[CheckResult]:

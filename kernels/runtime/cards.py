@@ -67,8 +67,10 @@ def verified(device) -> str:
     if info.family in VERIFIED_ON:
         return f"verified on {VERIFIED_ON[info.family]}"
     measured = ", ".join(VERIFIED_ON.values())
-    return (f"chosen by capability ({_sm(info)}, {info.family}); not run here: each kernel is probed against its "
-            f"reference at the run's start on the card, and falls back where it differs (verified on {measured})")  # fmt: skip
+    return (
+        f"chosen by capability ({_sm(info)}, {info.family}); not run here: each kernel is probed against its "
+        f"reference at the run's start on the card, and falls back where it differs (verified on {measured})"
+    )
 
 
 def summary(device, request: str = "auto") -> str:

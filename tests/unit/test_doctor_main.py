@@ -54,7 +54,8 @@ def test_json_has_every_row_with_status_evidence_and_fix(machine, capsys, tmp_pa
         assert row["fix"] or row["status"] != "fail"
     assert sum(doc["counts"].values()) == len(doc["checks"])
     checks = [r["check"] for r in doc["checks"]]
-    expected = "gpu|driver|torch build|bf16 matmul|fp8 matmul|power limit|kernels for card|attention|kernels|sd-scripts|sd-scripts deps|"
+    expected = "gpu|driver|torch build|bf16 matmul|fp8 matmul|power limit|kernels for card|attention|kernels|"
+    expected += "sd-scripts|sd-scripts deps|"
     expected += "model: flux|model: ae|model: clip_l|model: t5xxl|disk|env: allocator|env: other|config"
     assert checks == expected.split("|")
     failed = [r for r in doc["checks"] if r["status"] == "fail"]
