@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-TINY_VERSION = 1  # bump when what is built changes: a folder built by another version is built again
+TINY_VERSION = 2  # bump when what is built changes: a folder built by another version is built again
 STAMP = "flux-train-random-tiny.json"
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
            "<|video_pad|>")  # fmt: skip
@@ -115,6 +115,15 @@ def build_random_tiny(folder: Path) -> Path:
     # Greedy decoding of random weights repeats one token (here a newline: an empty caption); no token twice
     # gives a different string of word pieces for each image instead.
     model.generation_config.no_repeat_ngram_size = 1
+    # Left to itself it may end at once or pick lone bytes that decode to nothing printable: only the word pieces
+    # (tokens with a letter in them) may be generated, and a few of them at least, so each caption is visible nonsense.
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.suppress_tokens = [
+        i for i, piece in enumerate(vocab)
+        if i != eos and not any(c.isalpha() for c in tokenizer.convert_tokens_to_string([piece]))
+    ]  # fmt: skip
+    model.generation_config.min_new_tokens = 6
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     image_processor(**TINY_IMAGES).save_pretrained(folder)

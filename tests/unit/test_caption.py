@@ -262,3 +262,11 @@ def test_help_lists_the_subcommand(capsys):
     out = capsys.readouterr().out
     for option in ("--model", "--overwrite", "--trigger", "--prompt", "--batch-size", "--dry-run"):
         assert option in out
+
+
+def test_random_tiny_writes_visible_nonsense_not_an_empty_caption(pics):
+    """Its generation may only pick word pieces, at least six: each caption is text a user can see is not real."""
+    assert caption(str(pics), "--model", RANDOM_TINY) == 0
+    for i in (2, 3, 4):
+        text = (pics / f"img{i}.txt").read_text(encoding="utf-8")
+        assert sum(c.isalpha() for c in text) >= 6 and "decoded to no printable text" not in text, text
