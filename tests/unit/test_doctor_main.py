@@ -139,3 +139,15 @@ def test_json_is_valid_even_with_nan_numbers():
     rows = [CheckResult("attention: x", "fail", "wrong", "fix", "attention", {"max_rel_err": float("nan")})]
     doc = json.loads(doctor.render_json(rows, CPU))  # strict JSON has no NaN
     assert doc["checks"][0]["data"]["max_rel_err"] is None
+
+
+def test_a_named_card_gets_a_row_with_its_tier_and_kernels(machine, capsys, tmp_path):
+    """`flux-train doctor hardware=rtx4090` on a machine without it: this machine's rows, and one for the named card
+    (the tier memory=auto would pick there, the kernels it gets, chosen by capability: a warning, not a failure)."""
+    code, out = run(capsys, "--json", "model=random_tiny", "hardware=rtx4090", f"model_cache={tmp_path / 'mc'}")
+    rows = {r["check"]: r for r in json.loads(out)["checks"]}
+    row = rows["hardware=rtx4090"]
+    assert row["status"] == "warn" and row["data"]["tier"] == "vram24" and "fp8_matmul" in row["data"]["kernels"]
+    assert "NVIDIA GeForce RTX 4090 (sm_89)" in row["evidence"] and code == 0
+    _, out = run(capsys, "--json", "model=random_tiny", f"model_cache={tmp_path / 'mc'}")
+    assert not any(r["check"].startswith("hardware=") for r in json.loads(out)["checks"])
