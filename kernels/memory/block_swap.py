@@ -434,11 +434,6 @@ def install(model: nn.Module, cpu_for_tests: bool = False, **_) -> str:
             "kernels.set='auto,-block_swap' keeps sd-scripts' own swap"
         ) from e
     for old, new in zip(olds, news, strict=True):
-        old.set_forward_only(old.forward_only)  # waits for its transfers in flight, if any
-        new.forward_only = old.forward_only
-    for new in news:
-        new.make_host_copies(host_blocks(new.num_blocks, new.blocks_to_swap, new.forward_only))
-    for old, new in zip(olds, news, strict=True):
         for h in old.remove_handles:
             h.remove()
         old.remove_handles = []

@@ -401,7 +401,13 @@ def apply_kernels(
     installed = list(block_specs)
     for spec in selection.specs:
         if spec.name not in BLOCK_OPS and applies(spec):  # in order, each judged after the ones before it
-            lines.append(timed(spec.name, lambda spec=spec: spec.install(flux_model, **options.get(spec.name, {}))))
+            try:
+                lines.append(timed(spec.name, lambda spec=spec: spec.install(flux_model, **options.get(spec.name, {}))))
+            except KernelError as e:  # refused before changing anything (block_swap: no page-locked memory)
+                if insists(spec.name):
+                    raise
+                log.warning("flux_kernels: %s not installed (auto goes on without it): %s", spec.name, e)
+                continue
             installed.append(spec)
     for line in lines:
         log.info("flux_kernels installed %s", line)

@@ -254,6 +254,28 @@ def test_auto_takes_a_cuda_swap_and_a_failed_pinning_changes_nothing(fm):
     assert [w.data_ptr() for w in weights] == before
 
 
+def test_auto_goes_on_with_sd_scripts_swap_where_pinning_fails_and_a_named_request_stops(fm, caplog):
+    """A machine without page-locked memory to spare (WSL, a low memlock limit): under `auto` one warning, sd-scripts'
+    own swap and the run goes on; named (`kernels.set=block_swap`), the run stops with the reason."""
+    if torch.cuda.is_available():
+        pytest.skip("page-locked memory works here: the GPU tier installs for real")
+    import logging
+
+    from flux_kernels.patches import patch
+    from flux_kernels.runtime.registry import REGISTRY, Selection
+
+    model = tiny_flux(fm, depth=4, depth_single_blocks=6).requires_grad_(False)
+    model.enable_block_swap(2, torch.device("cuda"))
+    hooks = hooks_of(model)
+    spec = REGISTRY["block_swap"]
+    with caplog.at_level(logging.WARNING, logger="flux_kernels.patches.patch"):
+        assert patch.apply_kernels(model, Selection(("block_swap",), specs=(spec,)), verify=False) == []
+    assert "block_swap not installed (auto goes on without it)" in caplog.text and "page-locked" in caplog.text
+    assert bs.installed_on(model) is None and hooks_of(model) == hooks
+    with pytest.raises(KernelError, match="page-locked host copies failed"):
+        patch.apply_kernels(model, Selection(("block_swap",), specs=(spec,), explicit=True), verify=False)
+
+
 @pytest.mark.sd_scripts
 def test_weights_replaced_after_install_are_named(fm):
     model = tiny_flux(fm, depth=4, depth_single_blocks=6).requires_grad_(False)
