@@ -488,9 +488,13 @@ def tier_rows(results: list[BenchResult]) -> list[dict]:
 
     plain = {r.case.removesuffix(" (plain sd-scripts)"): r for r in results if r.case.endswith("(plain sd-scripts)")}
     ours: dict[str, BenchResult] = {}
-    for r in results:
+
+    def rank(r: BenchResult) -> tuple[bool, bool]:
+        return r.exit_code == 0 and r.s_per_step is not None, r.case in plain
+
+    for r in results:  # per tier the last run that finished, with plain sd-scripts beside it where one has it
         tier = _override(r.overrides, "memory")
-        if tier and not r.case.endswith("(plain sd-scripts)") and (r.case in plain or tier not in ours):
+        if tier and not r.case.endswith("(plain sd-scripts)") and (tier not in ours or rank(r) >= rank(ours[tier])):
             ours[tier] = r
     cards, rows = tier_cards(), []
     for tier in sorted(ours, key=lambda t: -TIERS.index(t) if t in TIERS else 0):
@@ -506,6 +510,7 @@ def tier_rows(results: list[BenchResult]) -> list[dict]:
         ]
         rows.append({
             "tier": tier, "cards": cards.get(tier, []), "kernels": _override(r.overrides, "kernels"),
+            "settings": case_settings(r.overrides),
             "s_per_step": r.s_per_step, "plain_s_per_step": b.s_per_step if b else None, "ratio": ratio,
             "card_peak_gib": r.card_peak_gib, "plain_card_peak_gib": b.card_peak_gib if b else None,
             "torch_peak_gib": r.torch_peak_gib, "limit_gib": limit, "target_s_per_step": target,
@@ -518,6 +523,13 @@ def tier_rows(results: list[BenchResult]) -> list[dict]:
             larger["met"] = False
             larger["slower_than"] = smaller["tier"]
     return rows
+
+
+def case_settings(overrides: list[str]) -> list[str]:
+    """A bench run's own overrides beyond its tier and kernel set (those after `train.output_name=`, where run_case
+    puts them): what makes the row other than the tier's defaults."""
+    at = next((i for i, o in enumerate(overrides) if o.startswith("train.output_name=")), -1)
+    return [o for o in overrides[at + 1 :] if not o.startswith(("memory=", "kernels="))]
 
 
 def tier_table(rows: list[dict]) -> str:
@@ -535,9 +547,11 @@ def tier_table(rows: list[dict]) -> str:
         ) if x) or "-"  # fmt: skip
         numerics = (f"{w['loss_rel_diff'] * 100:.2f}% / {w['lora_cosine']:.4f}"
                     if w["loss_rel_diff"] is not None and w["lora_cosine"] is not None else "-")  # fmt: skip
+        tier = w["tier"] + (f" ({', '.join(w['settings'])})" if w.get("settings") else "")
+        ratio = "-" if w["ratio"] is None else f"{w['ratio']:.2f}x"
         lines.append(
-            f"| {w['tier']} | {', '.join(w['cards']) or '-'} | {_num(w['s_per_step'], '.3f')} "
-            f"| {_num(w['plain_s_per_step'], '.3f')} | {_num(w['ratio'], '.2f')}x "
+            f"| {tier} | {', '.join(w['cards']) or '-'} | {_num(w['s_per_step'], '.3f')} "
+            f"| {_num(w['plain_s_per_step'], '.3f')} | {ratio} "
             f"| {_num(w['card_peak_gib'], '.1f')} / {_num(w['plain_card_peak_gib'], '.1f')} GiB "
             f"| {w['limit_gib']:.1f} | {target} | {'yes' if w['met'] else 'NO'} | {numerics} |"
         )

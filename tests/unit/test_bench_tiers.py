@@ -80,3 +80,16 @@ def test_an_unknown_tier_is_refused(capsys):
     with pytest.raises(SystemExit) as refused:
         bench.bench_main(["--tiers", "vram9"])
     assert refused.value.code == 2 and "vram9" in capsys.readouterr().err
+
+
+def test_a_table_of_several_benches_keeps_each_tiers_last_finished_run_and_names_its_own_settings():
+    failed = BenchResult(case="vram8_k-auto_1024", overrides=["memory=vram8", "kernels=auto"], exit_code=1)
+    done = ours("vram8", 0.58, 7.4)
+    tuned = BenchResult(case="vram32_true_k-auto_1024", exit_code=0, s_per_step=0.37, card_peak_gib=20.4,
+                        overrides=["model=random", "train.output_name=vram32_true_k-auto_1024", "memory=vram32",
+                                   "memory.fp8_base=true", "kernels=auto"])  # fmt: skip
+    rows = {r["tier"]: r for r in tier_rows([done, plain(done, 1.4, 10.0), failed, tuned])}
+    assert rows["vram8"]["s_per_step"] == 0.58 and rows["vram8"]["plain_s_per_step"] == 1.4  # not the failed one
+    assert rows["vram32"]["settings"] == ["memory.fp8_base=true"]
+    text = tier_table(list(rows.values()))
+    assert "| vram32 (memory.fp8_base=true) |" in text and "| - |" in text  # no plain run: no ratio
