@@ -7,8 +7,11 @@ either as it was or complete, never half-written, and no temporary file behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -168,32 +171,65 @@ def caption_folder(
     start = time.perf_counter()
     bar = tqdm(total=len(todo), unit="img", desc="captioning", disable=not progress, file=sys.stderr)
     try:
-        for i in range(0, len(todo), batch_size):
-            names, images = [], []
-            for name in todo[i : i + batch_size]:
-                try:
-                    images.append(open_image(plan.folder / name))
-                    names.append(name)
-                except Exception as exc:  # noqa: BLE001 - one unreadable image is named, the rest go on
-                    out.failed[name] = f"cannot be opened: {_reason(exc)}"
-            for name, text in _through_model(caption, names, images, out.failed):
-                out.captioned += 1
-                text = with_trigger(text, trigger)
-                if dry_run:
-                    show(f"{name}: {text}")
-                    continue
-                try:
-                    write_caption(caption_path(plan.folder, name), text)
-                except OSError as exc:
-                    out.failed[name] = f"cannot write {caption_path(plan.folder, name).name}: {exc.strerror or exc}"
-                    continue
-                out.written.append(name)
-            bar.update(len(todo[i : i + batch_size]))
-    except KeyboardInterrupt:
+        with stop_requests() as stop:
+            _caption_batches(plan, todo, caption, out, trigger, batch_size, dry_run, show, bar, stop)
+    except KeyboardInterrupt:  # a second Ctrl-C: at once (no write is half done: each one is a rename)
         out.interrupted = True
     bar.close()
     out.seconds = time.perf_counter() - start
     return out
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """Ctrl-C (or SIGTERM) asks to stop after the batch in progress (`stop["asked"]`); a second one stops at once.
+    A flag, not an exception, so the request is not lost inside the model's code (an exception raised in a finaliser
+    there is only printed). Only in the main thread, where Python delivers signals; elsewhere nothing changes."""
+    stop = {"asked": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def asked(signum, frame):
+        if stop["asked"]:
+            raise KeyboardInterrupt
+        stop["asked"] = True
+        print("\nstopping after this batch (Ctrl-C again: at once)", file=sys.stderr, flush=True)
+
+    before = {sig: signal.signal(sig, asked) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _caption_batches(plan, todo, caption, out, trigger, batch_size, dry_run, show, bar, stop) -> None:
+    """The batches of `todo`, each captioned and written as it comes; stops between batches when asked."""
+    for i in range(0, len(todo), batch_size):
+        if stop["asked"]:
+            out.interrupted = True
+            return
+        names, images = [], []
+        for name in todo[i : i + batch_size]:
+            try:
+                images.append(open_image(plan.folder / name))
+                names.append(name)
+            except Exception as exc:  # noqa: BLE001 - one unreadable image is named, the rest go on
+                out.failed[name] = f"cannot be opened: {_reason(exc)}"
+        for name, text in _through_model(caption, names, images, out.failed):
+            out.captioned += 1
+            text = with_trigger(text, trigger)
+            if dry_run:
+                show(f"{name}: {text}")
+                continue
+            try:
+                write_caption(caption_path(plan.folder, name), text)
+            except OSError as exc:
+                out.failed[name] = f"cannot write {caption_path(plan.folder, name).name}: {exc.strerror or exc}"
+                continue
+            out.written.append(name)
+        bar.update(len(todo[i : i + batch_size]))
 
 
 def _through_model(caption, names: list[str], images: list, failed: dict[str, str]):

@@ -159,6 +159,32 @@ def test_ctrl_c_mid_write_leaves_no_partial_or_temporary_file(pics, monkeypatch,
     assert "interrupted: 1 written, 2 kept, 0 failed" in out
 
 
+def test_ctrl_c_during_a_batch_stops_after_it_even_where_the_model_would_swallow_it(pics, monkeypatch, capsys):
+    """SIGINT while the model works on the first batch (here from the captioner itself, as a user's Ctrl-C lands):
+    that batch's captions are written, the next batch is not started, exit 130. The request is a flag, so an
+    exception the model's code would have dropped (raised in a finaliser: only printed) cannot lose it."""
+    import signal
+
+    from flux_trainer.caption import engine
+
+    real = engine.Engine.caption
+    calls = []
+
+    def caption_then_ctrl_c(self, images, *args, **kwargs):
+        calls.append(len(images))
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, images, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Engine, "caption", caption_then_ctrl_c)
+    assert caption(str(pics), "--model", RANDOM_TINY, "--batch-size", "2") == 130
+    assert calls == [2]  # the second batch never started
+    texts = sorted(p.name for p in pics.glob("*.txt"))
+    assert texts == ["img0.txt", "img1.txt", "img2.txt", "img3.txt"]  # 2 kept, the first batch's 2 written
+    assert "interrupted: 2 written, 2 kept" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+
+
 def test_a_full_disk_names_the_image_and_the_others_are_still_written(pics, monkeypatch, capsys):
     real_fsync, calls = os.fsync, []
 
