@@ -75,7 +75,8 @@ def runs_command(root: Path) -> int:
     def fmt(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    header = f"{'run':<44} {'status':<11} {'steps':>6} {'last loss':>10} {'s/step':>8} {'peak VRAM':>10}"
+    header = f"{'run':<44} {'status':<11} {'steps':>6} {'last loss':>10} {'val loss':>9} {'s/step':>8}"
+    header += f" {'peak VRAM':>10}"  # val loss: the newest validation loss (dataset.validation_split)
     header += f" {'TFLOP/s':>8} {'W':>4} {'SM MHz':>6} {'start-up':>9}"  # the card's medians; to the first step's end
     print(header + "\n" + "-" * len(header))
     sweep = None
@@ -95,6 +96,7 @@ def runs_command(root: Path) -> int:
         startup = "-" if s.startup_s is None else f"{s.startup_s:.1f} s"
         print(
             f"{name:<44} {row.status:<11} {s.steps_done:>6} {fmt(s.last_loss, '.4f'):>10} "
+            f"{fmt(s.last_val_loss, '.4f'):>9} "
             f"{fmt(s.median_step_s, '.3f'):>8} {fmt(s.peak_vram_gib, '.1f'):>8} G {fmt(s.median_tflops, '.0f'):>8} "
             f"{fmt(s.median_power_w, '.0f'):>4} {fmt(s.median_sm_clock_mhz, '.0f'):>6} {startup:>9}"
         )

@@ -51,6 +51,12 @@ class DatasetConfig:
     bucket_no_upscale: bool = True
     flip_aug: bool = False  # mirror images at random: off, it breaks asymmetric characters and text
     keep_tokens: int = 0
+    # fraction of the images held out for the validation loss (0: none; at most 0.5): sd-scripts splits them off
+    # after a shuffle seeded by train.validation_seed, and logs loss/validation/* (train.validate_every_n_steps)
+    validation_split: float = 0.0
+    # train this fraction of steps on an empty caption (sd-scripts' subset option); needs
+    # cache.text_encoder_outputs=false, as sd-scripts cannot drop a cached caption
+    caption_dropout_rate: float = 0.0
 
 
 @dataclass
@@ -166,7 +172,15 @@ class TrainConfig:
     model_prediction_type: str = "raw"
     guidance_scale: float = 1.0
     discrete_flow_shift: float = 3.1582
-    loss_type: str = "l2"
+    loss_type: str = "l2"  # l2 | l1 | huber | smooth_l1
+    # huber and smooth_l1 only: the threshold, and how it changes with the timestep (constant | exponential; sd-scripts'
+    # snr schedule needs a scheduler with alphas_cumprod, which FLUX's flow matching has not)
+    huber_c: float = 0.1
+    huber_schedule: str = "constant"
+    # with dataset.validation_split: the validation loss every N optimizer steps too (null: at each epoch's end only)
+    validate_every_n_steps: int | None = None
+    max_validation_steps: int | None = None  # validation batches per validation (null: every held-out image)
+    validation_seed: int | None = None  # the split's shuffle and the validation noise; null: train.seed
     data_loader_workers: int = 2
     pin_memory: bool = True  # batches in page-locked host memory, copied to the GPU without a sync (CUDA only)
     staged_copy: bool = True  # the base model to the GPU through page-locked buffers on several threads (CUDA only)

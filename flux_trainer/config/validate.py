@@ -50,6 +50,10 @@ FAMILIES = ("auto", "blackwell_consumer", "blackwell", "hopper", "ada", "ampere"
 # tensor-core matmuls (the fp8_matmul kernel) need Ada (sm_89) or newer, which the kernel's own check decides
 FP8_FAMILIES = ("blackwell_consumer", "blackwell", "hopper", "ada", "ampere")
 RESOLUTION_RANGE = (64, 2048)
+LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")  # sd-scripts' --loss_type choices
+# sd-scripts' snr schedule reads the noise scheduler's alphas_cumprod, which FLUX's flow-matching scheduler lacks
+HUBER_SCHEDULES = ("constant", "exponential")
+MAX_VALIDATION_SPLIT = 0.5  # more held out than trained on is a mistake, not a choice
 
 
 @dataclass
@@ -113,6 +117,15 @@ def _check_dataset(d: DictConfig, problems: list[str]) -> None:
         )
     if d.repeats < 1:
         problems.append(f"dataset.repeats={d.repeats}: must be at least 1")
+    split = d.validation_split
+    if not 0.0 <= split <= MAX_VALIDATION_SPLIT:
+        problems.append(
+            f"dataset.validation_split={split}: the fraction of images held out for the validation loss, "
+            f"0 (none) to {MAX_VALIDATION_SPLIT}; try dataset.validation_split=0.1"
+        )
+    rate = d.caption_dropout_rate
+    if not 0.0 <= rate <= 1.0:
+        problems.append(f"dataset.caption_dropout_rate={rate}: a fraction of steps, 0 to 1 (0.05 is typical)")
     folder = Path(d.images).expanduser()
     if not folder.is_dir():
         problems.append(f"dataset '{d.name}': {folder} does not exist; set dataset.images to your image folder")
@@ -224,6 +237,7 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
         problems.append("train.batch_size and train.gradient_accumulation_steps must be at least 1")
     if not OmegaConf.is_missing(cfg, "dataset") and (problem := output_name_problem(tr.output_name)):
         problems.append(problem)
+    _check_loss_and_validation(cfg, problems, warnings)
 
     lg = cfg.logging
     if lg.profile_at is not None and (lg.profile_at < 1 or lg.profile_steps < 1):
@@ -253,6 +267,34 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
     if problems:
         raise ConfigError(problems)
     return warnings
+
+
+def _check_loss_and_validation(cfg: DictConfig, problems: list[str], warnings: list[str]) -> None:
+    tr = cfg.train
+    if tr.loss_type not in LOSS_TYPES:
+        problems.append(f"train.loss_type={tr.loss_type}: unknown; choose {', '.join(LOSS_TYPES)}")
+    elif tr.loss_type in ("huber", "smooth_l1"):
+        if tr.huber_schedule not in HUBER_SCHEDULES:
+            why = " (snr needs a noise schedule FLUX's flow matching has not)" if tr.huber_schedule == "snr" else ""
+            problems.append(f"train.huber_schedule={tr.huber_schedule}: choose {' or '.join(HUBER_SCHEDULES)}{why}")
+        if not 0.0 < tr.huber_c <= 1.0:
+            problems.append(f"train.huber_c={tr.huber_c}: must be above 0 and at most 1 (0.1 is sd-scripts' default)")
+    for key in ("validate_every_n_steps", "max_validation_steps"):
+        if tr[key] is not None and tr[key] < 1:
+            problems.append(f"train.{key}={tr[key]}: must be at least 1, or null")
+    if OmegaConf.is_missing(cfg, "dataset"):
+        return
+    d = cfg.dataset
+    if 0 < d.caption_dropout_rate <= 1 and cfg.cache.text_encoder_outputs:
+        problems.append(
+            f"dataset.caption_dropout_rate={d.caption_dropout_rate} needs cache.text_encoder_outputs=false "
+            "(sd-scripts cannot drop a cached caption; the text encoders then stay loaded while training)"
+        )
+    if tr.validate_every_n_steps is not None and not d.validation_split:
+        warnings.append(
+            f"train.validate_every_n_steps={tr.validate_every_n_steps} but dataset.validation_split is 0: "
+            "no validation loss; set dataset.validation_split=0.1"
+        )
 
 
 CHECKPOINT_SKIP_AUTO = "auto"

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,32 @@ def _uncaptioned_line(dataset: Any, names: list[str], usable: int) -> str:
     )
 
 
+def split_counts(images: int, split: float) -> tuple[int, int]:
+    """(trained, held out) of `images` at `dataset.validation_split`, as sd-scripts 48d368fa counts them
+    (train_util.split_train_val): the training part rounds up, the validation part to the nearest (half to even),
+    so for some counts one image lands in both."""
+    if not split:
+        return images, 0
+    return math.ceil(images * (1 - split)), round(images * split)
+
+
+def _split_problem(dataset: Any, usable: int, batch_size: int) -> str | None:
+    trained, held = split_counts(usable, float(dataset.validation_split))
+    if dataset.validation_split and held == 0:
+        least = math.ceil(100 / usable) / 100  # usable x least >= 1 rounds to one image at least
+        fix = f"set dataset.validation_split={least:g} or more" if usable > 1 and least <= 0.5 else "add images"
+        return (
+            f"dataset.validation_split={dataset.validation_split} of dataset '{dataset.name}' ({usable} images) holds "
+            f"out no image (sd-scripts rounds {usable} x {dataset.validation_split}); {fix}"
+        )
+    if held and batch_size > trained:
+        return (
+            f"train.batch_size={batch_size} is larger than the {trained} images dataset '{dataset.name}' trains on "
+            f"after dataset.validation_split={dataset.validation_split}; use train.batch_size={trained} or less"
+        )
+    return None
+
+
 def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tuple[Path, list[str]]:
     """A run's dataset checked and staged: (the staged folder for sd-scripts, notes to show). ConfigError naming
     every bad file (up to MAX_LISTED), or a batch the dataset cannot fill."""
@@ -188,6 +215,15 @@ def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tup
             f"train.batch_size={batch_size} is larger than dataset '{dataset.name}' ({usable} images): sd-scripts "
             f"would train smaller batches than that; use train.batch_size={usable} or less"
         )
+    if problem := _split_problem(dataset, usable, batch_size):
+        raise ConfigError(problem)
+    notes = check.notes()
+    trained, held = split_counts(usable, float(dataset.validation_split))
+    if held and trained + held > usable:
+        notes.append(
+            f"dataset.validation_split={dataset.validation_split}: {trained + held - usable} of the {held} held-out "
+            f"images also trains (sd-scripts' rounding of {usable} images)"
+        )
     te_key = json.dumps(
         [
             str(model.clip_l),
@@ -200,4 +236,4 @@ def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tup
     )
     latents_key = json.dumps([str(model.ae), bool(dataset.flip_aug)])
     staged = stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key)
-    return staged, check.notes()
+    return staged, notes

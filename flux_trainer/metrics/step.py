@@ -117,6 +117,16 @@ class StepMetrics:
         self._data_s += self._clock() - self._t_ref
         self._waiting_for_data = False
 
+    def skip_since_step_end(self) -> None:
+        """The time since the last step's end was spent outside training (sd-scripts' validation loss): the next
+        step's time and data wait start from now, as if that time had not passed."""
+        if not self.enabled or self._t_ref is None:
+            return
+        away = self._clock() - self._t_ref
+        self._t_ref += away
+        if self._t_log is not None:
+            self._t_log += away
+
     def on_step_end(self, global_step: int) -> dict[str, float]:
         """Call after each optimizer step; returns the tags to merge into sd-scripts' ``logs``."""
         if not self.enabled:

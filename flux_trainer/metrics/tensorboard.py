@@ -19,6 +19,10 @@ TEXT_PREFIX = "run/"  # write_run_text({"config": ...}) -> tag "run/config"
 _TEXT_SUFFIX = "/text_summary"  # what SummaryWriter.add_text appends to a tag
 _FENCE_OPEN, _FENCE_CLOSE = "```text\n", "\n```"
 _EVENT_MARK = "tfevents"
+# sd-scripts' validation loss (dataset.validation_split): every validate_every_n_steps at the step
+# (step_average), at each epoch's end at the epoch (epoch_average); *_divergence: it minus the training loss
+VALIDATION_TAGS = "loss/validation/"
+VALIDATION_LOSS_TAGS = (VALIDATION_TAGS + "step_average", VALIDATION_TAGS + "epoch_average")
 
 
 def _writer(logdir: str | os.PathLike[str]) -> Any:
@@ -208,6 +212,7 @@ class RunSummary:
     # power limit runs below its boost clock, which explains two runs of one setting on two cards
     median_power_w: float | None = None
     median_sm_clock_mhz: float | None = None
+    last_val_loss: float | None = None  # the newest validation loss (by wall time), step's or epoch's
 
 
 def _event_dirs(root: str | os.PathLike[str]) -> list[str]:
@@ -222,7 +227,7 @@ def _event_dirs(root: str | os.PathLike[str]) -> list[str]:
 
 def _loss_tag(tags: Iterable[str]) -> str | None:
     """sd-scripts logs ``loss/current`` (this step) and ``loss/average`` (moving); prefer the former."""
-    losses = sorted(t for t in tags if t.startswith("loss/"))
+    losses = sorted(t for t in tags if t.startswith("loss/") and not t.startswith(VALIDATION_TAGS))
     return "loss/current" if "loss/current" in losses else (losses[0] if losses else None)
 
 
@@ -246,6 +251,7 @@ def _summarize(path: str, dirs: list[str]) -> RunSummary:
         return statistics.median(values) if values else None
 
     peaks = [e[2] for e in scalars.get("vram/peak_gib", [])]
+    validations = [e for tag in VALIDATION_LOSS_TAGS for e in scalars.get(tag, [])]
     return RunSummary(
         path=path,
         steps_done=max((e[1] for e in counted), default=0),
@@ -260,6 +266,7 @@ def _summarize(path: str, dirs: list[str]) -> RunSummary:
         startup_s=max(scalars["time/startup_s"], key=lambda e: e[0])[2] if scalars.get("time/startup_s") else None,
         median_power_w=median("gpu/power_w"),
         median_sm_clock_mhz=median("gpu/sm_clock_mhz"),
+        last_val_loss=max(validations, key=lambda e: e[0])[2] if validations else None,
     )
 
 

@@ -328,6 +328,12 @@ class RunHooks:
             log.warning(alloc_retries_message(tags["vram/alloc_retries"], global_step, self.fit))
         return tags
 
+    def validated(self) -> None:
+        """sd-scripts' validation loss just ran, after the step's end: not counted in the next step's time (nor
+        taken for a slowdown by the health checks)."""
+        if self.metrics is not None:
+            self.metrics.skip_since_step_end()
+
     def step_logged(self, accelerator: Any, global_step: int) -> None:
         """After sd-scripts logged the step (main process): at the last step, the norm means still on their way
         to the host are waited for and written, before sd-scripts closes TensorBoard. Not earlier, so the last

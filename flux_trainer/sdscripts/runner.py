@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from flux_trainer.metrics import progress
+from flux_trainer.metrics.tensorboard import VALIDATION_TAGS
 from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts, sd_scripts_argv
 
 log = logging.getLogger("flux_trainer.runner")
@@ -176,6 +177,11 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
 
         def step_logging(self, accelerator, logs, global_step, epoch):
             step = self.continuation.run_step(global_step)
+            if logs and all(k.startswith(VALIDATION_TAGS) for k in logs):
+                # sd-scripts logs the step's validation loss through here too, after the step's own logs: the
+                # same run and step, without counting a second step in the metrics or the progress line
+                self.flux_train.validated()
+                return super().step_logging(accelerator, logs, step, epoch)
             tags = self.flux_train.step_end(accelerator, logs, step)
             logs.update(tags)
             super().step_logging(accelerator, logs, step, epoch)
@@ -186,6 +192,8 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
                                   step_s=tags.get("time/step_s"), peak_gib=tags.get("vram/peak_gib"))  # fmt: skip
 
         def epoch_logging(self, accelerator, logs, global_step, epoch):
+            if any(k.startswith(VALIDATION_TAGS) for k in logs):
+                self.flux_train.validated()  # the epoch's validation loss
             super().epoch_logging(accelerator, logs, self.continuation.run_step(global_step), epoch)
 
         def val_logging(self, accelerator, logs, global_step, epoch, val_step):

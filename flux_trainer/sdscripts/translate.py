@@ -147,6 +147,9 @@ def training_document(cfg: DictConfig, paths: RunPaths) -> Document:
     t.add("guidance_scale", float(cfg.train.guidance_scale), "1.0 for LoRA training on FLUX.1-dev")
     t.add("discrete_flow_shift", float(cfg.train.discrete_flow_shift))
     t.add("loss_type", cfg.train.loss_type)
+    if cfg.train.loss_type in ("huber", "smooth_l1"):
+        t.add("huber_c", float(cfg.train.huber_c))
+        t.add("huber_schedule", cfg.train.huber_schedule, "sd-scripts' default, snr, fails on FLUX's scheduler")
     t.add("max_data_loader_n_workers", int(cfg.train.data_loader_workers))
     t.add("persistent_data_loader_workers", cfg.train.data_loader_workers > 0 or None)
 
@@ -171,6 +174,12 @@ def training_document(cfg: DictConfig, paths: RunPaths) -> Document:
     tracker = paths.tracker_config if cfg.logging.tensorboard else None
     lg.add("log_tracker_config", str(tracker) if tracker else None, "TensorBoard writer settings (tracker.toml)")
 
+    if validation_split(cfg):
+        v = doc.table("validation", comment=f"{cfg.dataset.validation_split} of the images held out (dataset.toml)")
+        v.add("validate_every_n_steps", cfg.train.validate_every_n_steps, "and at every epoch's end")
+        v.add("max_validation_steps", cfg.train.max_validation_steps)
+        v.add("validation_seed", validation_seed(cfg), "the validation's noise and timesteps, the same every time")
+
     if paths.sample_prompts is not None:
         sp = doc.table("sampling")
         sp.add("sample_prompts", str(paths.sample_prompts))
@@ -178,6 +187,14 @@ def training_document(cfg: DictConfig, paths: RunPaths) -> Document:
         sp.add("sample_every_n_epochs", cfg.sample.every_n_epochs)
         sp.add("sample_sampler", cfg.sample.sampler)
     return doc
+
+
+def validation_split(cfg: DictConfig) -> float:
+    return float(cfg.dataset.validation_split)
+
+
+def validation_seed(cfg: DictConfig) -> int:
+    return int(cfg.train.validation_seed if cfg.train.validation_seed is not None else cfg.train.seed)
 
 
 def dataset_document(cfg: DictConfig, images: Path | None = None) -> Document:
@@ -200,6 +217,11 @@ def dataset_document(cfg: DictConfig, images: Path | None = None) -> Document:
         "FLUX packs 2x2 latents of the AE's 8x downscale: multiples of 16 work, 64 buckets well",
     )
     ds.add("bucket_no_upscale", bool(d.bucket_no_upscale))
+    if validation_split(cfg):
+        ds.add("validation_split", validation_split(cfg), "held out for the validation loss")
+        # sd-scripts builds the training and the validation set apart, each shuffling the images before it takes
+        # its part: without a seed the two shuffles differ and the parts overlap
+        ds.add("validation_seed", validation_seed(cfg), "the same shuffle for both parts: they do not overlap")
     sub = Table("datasets.subsets", array=True)
     if images is None:
         sub.add("image_dir", str(d.images))
@@ -210,6 +232,8 @@ def dataset_document(cfg: DictConfig, images: Path | None = None) -> Document:
         sub.add("caption_prefix", f"{d.trigger},", "the trigger word starts every caption")
         sub.add("class_tokens", "", "images without a caption file get the trigger word alone")
     sub.add("flip_aug", bool(d.flip_aug))
+    if d.caption_dropout_rate:
+        sub.add("caption_dropout_rate", float(d.caption_dropout_rate), "steps trained on an empty caption")
     ds.children.append(sub)
     return doc
 

@@ -110,7 +110,7 @@ def dataset_and_model(name, folder):
     from omegaconf import OmegaConf
 
     dataset = {"name": name, "images": str(folder), "caption_extension": ".txt", "trigger": None}
-    dataset.update(keep_tokens=0, flip_aug=False)
+    dataset.update(keep_tokens=0, flip_aug=False, validation_split=0.0)
     return OmegaConf.create(dataset), OmegaConf.create({"clip_l": "c", "t5xxl": "t", "ae": "a"})
 
 

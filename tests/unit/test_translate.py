@@ -19,6 +19,13 @@ CASES = {
     "rank32_adamw_2000": ["network.rank=32", "optimizer=adamw", "train.max_steps=2000"],
     "fp8_vram16": ["precision=fp8_base", "memory=vram16"],
     "adafactor_samples": ["optimizer=adafactor", "sample.prompts=[ohwx smiling]", "sample.every_n_steps=100"],
+    "validation_huber": [
+        "dataset.validation_split=0.1",
+        "train.validate_every_n_steps=100",
+        "train.loss_type=huber",
+        "dataset.caption_dropout_rate=0.05",
+        "cache.text_encoder_outputs=false",
+    ],
 }
 
 
