@@ -70,6 +70,8 @@ class NetworkConfig:
     train_t5xxl: bool = False
     loraplus_lr_ratio: float | None = None
     weights: str | None = None  # start from an existing LoRA file
+    algo: str | None = None  # LyCORIS algorithm (network=lokr | network=loha, module lycoris.kohya); None: lora_flux
+    factor: int = -1  # LoKr only: Kronecker factor of each weight's shape; -1: LyCORIS' most balanced split
 
 
 @dataclass

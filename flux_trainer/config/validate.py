@@ -6,6 +6,7 @@ Each message names the key, the bad value and the fix. Hydra already rejects unk
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,10 @@ from flux_trainer.config.refusals import output_name_problem
 from flux_trainer.data.check import IMAGE_EXTENSIONS
 
 OPTIMIZERS = ("prodigy", "adamw", "adamw8bit", "adafactor")
+# network=lokr | network=loha: the LyCORIS release whose 2-step CPU run on the tiny FLUX was checked (pyproject's
+# `lycoris` extra pins the same)
+LYCORIS = "lycoris-lora==4.1.3"
+LYCORIS_ALGOS = ("lokr", "loha")
 MEMORY_TIERS = ("auto", "cpu", "vram8", "vram12", "vram16", "vram24", "vram32", "vram48", "vram80")
 
 
@@ -143,6 +148,33 @@ REMOVED_KEYS = {
 }
 
 
+def _check_lycoris(net: DictConfig, problems: list[str]) -> None:
+    """network=lokr | loha go through LyCORIS' kohya wrapper, which knows none of lora_flux's own options."""
+    if net.algo is None:
+        if net.factor != -1:
+            problems.append(f"network.factor={net.factor}: a LoKr setting; use network=lokr (or drop it)")
+        return
+    if net.algo not in LYCORIS_ALGOS:
+        problems.append(f"network.algo={net.algo}: choose network=lokr or network=loha (or network=lora)")
+    if net.module != "lycoris.kohya":
+        problems.append(f"network.module={net.module}: network.algo={net.algo} needs network.module=lycoris.kohya")
+    elif importlib.util.find_spec("lycoris") is None:
+        problems.append(f"network={net.algo} needs LyCORIS, which is not installed: pip install {LYCORIS}")
+    if net.algo != "lokr" and net.factor != -1:
+        problems.append(f"network.factor={net.factor}: a LoKr setting; network={net.algo} has none")
+    for key, value, default in (
+        ("train_blocks", net.train_blocks, "all"),
+        ("split_qkv", net.split_qkv, False),
+        ("train_t5xxl", net.train_t5xxl, False),
+        ("loraplus_lr_ratio", net.loraplus_lr_ratio, None),
+    ):
+        if value != default:
+            problems.append(
+                f"network.{key}={value}: not supported with network={net.algo} (LyCORIS; only {default} was "
+                "checked); drop it or use network=lora"
+            )
+
+
 def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Path] | None = None) -> list[str]:
     """Raise ConfigError with every problem; return warnings (printed, not fatal).
 
@@ -168,6 +200,7 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
         problems.append(f"network.train_blocks={net.train_blocks}: choose all, single or double")
     if net.train_t5xxl and cfg.cache.text_encoder_outputs:
         problems.append("network.train_t5xxl=true needs cache.text_encoder_outputs=false (a trained T5 changes them)")
+    _check_lycoris(net, problems)
 
     opt = cfg.optimizer
     if opt.name not in OPTIMIZERS:

@@ -70,8 +70,19 @@ def optimizer_args(args: dict[str, Any]) -> list[Item]:
     return items
 
 
+def lycoris_args(net: DictConfig) -> list[Item]:
+    """`key=value` strings as LyCORIS' lycoris/kohya.py `create_network` reads them (`kwargs.get`, then int/float)."""
+    items = [Item(f"algo={net.algo}", "LyCORIS algorithm; the LoRA file's ss_network_args names it")]
+    if net.algo == "lokr":
+        items.append(Item(f"factor={int(net.factor)}", "LoKr: Kronecker factor (-1: most balanced split)"))
+    items.append(Item("conv_dim=0", "no convolution adapters (FLUX's blocks have none)"))
+    return items
+
+
 def network_args(net: DictConfig) -> list[Item]:
     """`key=value` strings exactly as networks/lora_flux.py reads them: booleans are compared to "True"."""
+    if net.algo is not None:
+        return lycoris_args(net)
     items = [Item(f"train_blocks={net.train_blocks}", "which FLUX blocks get LoRA: all | single | double")]
     if net.split_qkv:
         items.append(Item("split_qkv=True", "separate LoRA for q, k and v"))
