@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from flux_trainer.config.paths import shipped_config_dir, user_config_dirs
@@ -40,7 +41,12 @@ def group_options(group: str, user_dirs: list[Path] | None = None) -> list[str]:
     found = set()
     for root in [shipped_config_dir(), *(user_config_dirs() if user_dirs is None else user_dirs)]:
         found.update(p.stem for p in (Path(root) / group).glob("*.yaml"))
-    return sorted(found)
+    return sorted(found, key=natural)
+
+
+def natural(name: str) -> list:
+    """Sort key that reads the numbers in a name as numbers: vram8 before vram12, rtx3060 before rtx4060ti16."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def help_text() -> str:
