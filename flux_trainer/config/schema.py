@@ -47,6 +47,7 @@ class SubsetConfig:
     repeats: int | None = None
     caption_dropout_rate: float | None = None
     is_reg: bool = False  # regularisation images, their loss weighted by train.prior_loss_weight
+    alpha_mask: bool | None = None
 
 
 @dataclass
@@ -58,6 +59,8 @@ class DatasetConfig:
     # a number, or a list of them: one sd-scripts dataset per resolution over the same folders
     resolution: Any = 1024
     subsets: list[SubsetConfig] = field(default_factory=list)  # several folders instead of `images`
+    # masked loss from each image's alpha channel (opaque: learned, transparent: not); every image needs one
+    alpha_mask: bool = False
     repeats: int = 10
     caption_extension: str = ".txt"
     enable_bucket: bool = True  # aspect-ratio buckets, so images are not cropped square

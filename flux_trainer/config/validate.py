@@ -134,13 +134,37 @@ def _resolution_problems(d: DictConfig) -> list[str]:
     return out
 
 
-def _check_folder(d: DictConfig, key: str, folder: Path, problems: list[str]) -> None:
+def _check_folder(d: DictConfig, key: str, folder: Path, problems: list[str], alpha_mask: bool = False) -> None:
     if not folder.is_dir():
         problems.append(f"dataset '{d.name}': {folder} does not exist; set {key} to your image folder")
         return
     scan = scan_dataset(folder, d.caption_extension)
     if scan.total == 0:
         problems.append(f"dataset '{d.name}': {folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")
+    elif alpha_mask and (opaque := without_alpha(folder)):
+        some = ", ".join(opaque[:3]) + (" ..." if len(opaque) > 3 else "")
+        problems.append(
+            f"alpha_mask: {len(opaque)} images of {folder} have no alpha channel ({some}); sd-scripts would learn all "
+            "of them: save them as RGBA PNGs, or drop alpha_mask"
+        )
+
+
+def without_alpha(folder: Path) -> list[str]:
+    """The images of `folder` whose mode carries no alpha channel (their header alone is read)."""
+    from PIL import Image
+
+    out = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
+            continue
+        try:
+            with Image.open(entry.path) as im:
+                if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+                    continue
+        except OSError:
+            continue  # not readable: flux_trainer.data.check names it
+        out.append(entry.name)
+    return out
 
 
 def _check_subsets(d: DictConfig, problems: list[str]) -> None:
@@ -161,7 +185,8 @@ def _check_subsets(d: DictConfig, problems: list[str]) -> None:
         if str(folder.absolute()) in seen:
             problems.append(f"{key}.images={s.images}: listed twice; list each folder once (repeats weights it)")
         seen.add(str(folder.absolute()))
-        _check_folder(d, f"{key}.images", folder, problems)
+        alpha = d.alpha_mask if s.get("alpha_mask") is None else s.alpha_mask
+        _check_folder(d, f"{key}.images", folder, problems, bool(alpha))
     if all(s.is_reg for s in d.subsets):
         problems.append(f"dataset '{d.name}': every subset has is_reg: true; add a folder of the images to learn")
 
@@ -186,7 +211,7 @@ def _check_dataset(d: DictConfig, problems: list[str]) -> None:
             f"dataset '{d.name}' has no images: add images: /path/to/your/images (or subsets: a list of folders)"
         )
     else:
-        _check_folder(d, "dataset.images", Path(d.images).expanduser(), problems)
+        _check_folder(d, "dataset.images", Path(d.images).expanduser(), problems, bool(d.alpha_mask))
 
 
 # Keys removed because their measured effect was nil (the measurements stay in docs): one release of warning.

@@ -208,7 +208,7 @@ def _refuse_bad_files(dataset: Any, check: Any, trigger: str | None) -> None:
         raise ConfigError(f"dataset '{dataset.name}': {check.folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")
 
 
-def _stage_keys(dataset: Any, model: Any, trigger: str | None) -> tuple[str, str]:
+def _stage_keys(dataset: Any, model: Any, trigger: str | None, alpha_mask: bool = False) -> tuple[str, str]:
     te_key = json.dumps(
         [
             str(model.clip_l),
@@ -219,7 +219,8 @@ def _stage_keys(dataset: Any, model: Any, trigger: str | None) -> tuple[str, str
             dataset.caption_extension,
         ]  # fmt: skip
     )
-    return te_key, json.dumps([str(model.ae), bool(dataset.flip_aug)])
+    latents = [str(model.ae), bool(dataset.flip_aug)] + (["alpha_mask"] if alpha_mask else [])  # masks cache beside
+    return te_key, json.dumps(latents)
 
 
 def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tuple[Path, list[str]]:
@@ -246,7 +247,7 @@ def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tup
             f"dataset.validation_split={dataset.validation_split}: {trained + held - usable} of the {held} held-out "
             f"images also trains (sd-scripts' rounding of {usable} images)"
         )
-    te_key, latents_key = _stage_keys(dataset, model, dataset.trigger)
+    te_key, latents_key = _stage_keys(dataset, model, dataset.trigger, bool(dataset.get("alpha_mask")))
     staged = stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key)
     return staged, notes
 
@@ -284,6 +285,6 @@ def ready_all(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) ->
         notes += check.notes()
     staged = []
     for subset, check in zip(subsets, checks, strict=True):
-        te_key, latents_key = _stage_keys(dataset, model, subset.trigger)
+        te_key, latents_key = _stage_keys(dataset, model, subset.trigger, subset.alpha_mask)
         staged.append(stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key))
     return staged, notes

@@ -20,13 +20,15 @@ class Subset:
     repeats: int
     caption_dropout_rate: float
     is_reg: bool = False
+    alpha_mask: bool = False
 
 
 def subsets_of(d: Any) -> list[Subset]:
     """The dataset's folders in the order written. The single-folder form is one subset of the dataset's keys."""
     listed = d.get("subsets") or []
     if not listed:
-        return [Subset(str(d.images), d.trigger, int(d.repeats), float(d.get("caption_dropout_rate") or 0.0))]
+        rate = float(d.get("caption_dropout_rate") or 0.0)
+        return [Subset(str(d.images), d.trigger, int(d.repeats), rate, alpha_mask=bool(d.get("alpha_mask")))]
     out = []
     for s in listed:
         is_reg = bool(s.get("is_reg", False))
@@ -42,6 +44,7 @@ def subsets_of(d: Any) -> list[Subset]:
                 repeats=int(d.repeats if repeats is None else repeats),
                 caption_dropout_rate=float(d.get("caption_dropout_rate") or 0.0 if rate is None else rate),
                 is_reg=is_reg,
+                alpha_mask=bool(d.get("alpha_mask") if s.get("alpha_mask") is None else s.alpha_mask),
             )
         )
     return out

@@ -26,12 +26,12 @@ else:
     WHY = ""
 
 
-def folder(path, n, size, captions=True):
+def folder(path, n, size, captions=True, mode="RGB"):
     from PIL import Image
 
     path.mkdir(parents=True)
     for i in range(n):
-        Image.new("RGB", size, (40 * i, 120, 200 - 30 * i)).save(path / f"{path.name}{i}.png")
+        Image.new(mode, size, (40 * i, 120, 200 - 30 * i, 255)[: len(mode)]).save(path / f"{path.name}{i}.png")
         if captions:
             (path / f"{path.name}{i}.txt").write_text(f"a {path.name} square {i}")
     return path
@@ -40,11 +40,11 @@ def folder(path, n, size, captions=True):
 def test_two_folders_a_reg_folder_and_two_resolutions_train_two_steps(tmp_path):
     if CHECKOUT is None:
         pytest.skip(f"needs an sd-scripts checkout: {WHY}")
-    close = folder(tmp_path / "closeups", 3, (128, 128))
+    close = folder(tmp_path / "closeups", 3, (128, 128), mode="RGBA")  # masked loss from the alpha channel
     full = folder(tmp_path / "full_body", 2, (96, 160), captions=False)  # the trigger word is their caption
     reg = folder(tmp_path / "reg", 2, (128, 128))
     subsets = [
-        {"images": str(close), "trigger": "ohwx", "repeats": 2},
+        {"images": str(close), "trigger": "ohwx", "repeats": 2, "alpha_mask": True},
         {"images": str(full), "trigger": "ohwx", "repeats": 1},
         {"images": str(reg), "is_reg": True, "repeats": 1},
     ]
@@ -74,6 +74,7 @@ def test_two_folders_a_reg_folder_and_two_resolutions_train_two_steps(tmp_path):
         subs = d["subsets"]
         assert [s["num_repeats"] for s in subs] == [2, 1, 1]
         assert [s.get("is_reg", False) for s in subs] == [False, False, True]
+        assert [s.get("alpha_mask", False) for s in subs] == [True, False, False]
         assert [s.get("caption_prefix") for s in subs] == ["ohwx,", "ohwx,", None]
         assert all(s["image_dir"].startswith(str(tmp_path / "cache" / "datasets")) for s in subs)
     assert tomli.loads(train.read_text())["training"]["prior_loss_weight"] == 0.5
