@@ -147,3 +147,60 @@ def test_ready_all_stages_each_folder_apart(workdir):
     ]
     with pytest.raises(ConfigError, match="learns"):
         ready_all(cfg.dataset, OmegaConf.create({"clip_l": "c", "t5xxl": "t", "ae": "a"}), workdir / "cache", 9)
+
+
+def test_alpha_mask_needs_images_with_an_alpha_channel(workdir, capsys):
+    from PIL import Image
+
+    close, full, reg = write_multi(workdir)
+    assert main(["+dataset=multi", "dry_run=true", "dataset.subsets.0.alpha_mask=true"]) == 2
+    err = capsys.readouterr().err
+    assert f"alpha_mask: 3 images of {close} have no alpha channel (img0.png, img1.png, img2.png)" in err
+    assert err.strip().count("\n") == 0 and run_dirs(workdir) == []
+    for png in close.glob("*.png"):
+        Image.new("RGBA", (96, 64), (200, 10, 10, 0)).save(png)
+    assert main(["+dataset=multi", "dry_run=true", "dataset.subsets.0.alpha_mask=true"]) == 0, capsys.readouterr()
+    (run,) = run_dirs(workdir)
+    for d in tomli.loads((run / "dataset.toml").read_text())["datasets"]:
+        assert [s.get("alpha_mask") for s in d["subsets"]] == [True, None, None]
+
+
+def test_dataset_init_with_two_image_folders_a_reg_folder_and_three_resolutions(workdir, capsys):
+    a = make_images(workdir / "a", n=2)
+    b = make_images(workdir / "b", n=2, captions=False)
+    reg = make_images(workdir / "reg", n=3)
+    args = ["dataset", "init", "both", "--images", str(a), "--images", str(b), "--reg", str(reg)]
+    assert main([*args, "--trigger", "ohwx", "--resolution", "512,768,1024", "--repeats", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"{a}: 2 images" in out and f"{reg}: 3 images" in out
+    assert main(["+dataset=both", "dry_run=true"]) == 0, capsys.readouterr().err
+    (run,) = run_dirs(workdir)
+    doc = tomli.loads((run / "dataset.toml").read_text())
+    assert [d["resolution"] for d in doc["datasets"]] == [512, 768, 1024]
+    subs = doc["datasets"][0]["subsets"]
+    assert [(s["num_repeats"], s.get("is_reg"), s.get("caption_prefix")) for s in subs] == [
+        (4, None, "ohwx,"),
+        (4, None, "ohwx,"),
+        (1, True, None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--resolution", "512,4096"], "--resolution 4096: must be a multiple of 16 between 64 and 2048"),
+        (["--resolution", "512,big"], "--resolution 512,big: a number of pixels"),
+        (["--resolution", "512,512"], "listed twice"),
+        (["--reg", "/no/such/reg"], "--reg /no/such/reg: no such folder"),
+        (["--reg", "UNCAPTIONED"], "images have no .txt caption; caption them (a reg folder takes no trigger word)"),
+        (["--images", "FIRST"], "a folder is given twice"),
+    ],
+)
+def test_dataset_init_refuses_in_one_line_and_writes_nothing(extra, needle, workdir, capsys):
+    a = make_images(workdir / "a", n=2)
+    uncaptioned = make_images(workdir / "plain", n=2, captions=False)
+    extra = [{"UNCAPTIONED": str(uncaptioned), "FIRST": str(a)}.get(x, x) for x in extra]
+    assert main(["dataset", "init", "bad", "--images", str(a), "--trigger", "ohwx", *extra]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.strip().count("\n") == 0, err
+    assert not (workdir / "configs" / "dataset" / "bad.yaml").exists()
