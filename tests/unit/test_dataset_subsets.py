@@ -204,3 +204,11 @@ def test_dataset_init_refuses_in_one_line_and_writes_nothing(extra, needle, work
     err = capsys.readouterr().err
     assert needle in err and err.strip().count("\n") == 0, err
     assert not (workdir / "configs" / "dataset" / "bad.yaml").exists()
+
+
+def test_the_disk_estimate_counts_latents_at_every_resolution(compose):
+    from flux_trainer.doctor import disk as doctor_disk
+
+    row = doctor_disk.disk_check(compose("+dataset=mychar", "model=random_tiny", "dataset.resolution=[512,1024]"))
+    latents = doctor_disk.latent_bytes(512) + doctor_disk.latent_bytes(1024)
+    assert row.data["need_bytes"] == 3 * (latents + doctor_disk.text_bytes(32)), row.evidence
