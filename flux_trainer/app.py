@@ -25,6 +25,7 @@ from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root, model_cache
 from flux_trainer.config.validate import tier_gib
 from flux_trainer.data import stage as data_stage
+from flux_trainer.data.subsets import largest_resolution
 from flux_trainer.launch import command as launch_command
 from flux_trainer.launch import device as launch_device
 from flux_trainer.launch import profiles, rundir
@@ -54,7 +55,7 @@ def checkpoint_skip_spec(cfg: DictConfig) -> dict:
         blocked = "memory.blocks_to_swap: this tier already trades speed for memory"
     elif mem.cpu_offload_checkpointing:
         blocked = "memory.cpu_offload_checkpointing: this tier already trades speed for memory"
-    resolution = int(cfg.dataset.resolution)
+    resolution = largest_resolution(cfg.dataset)
     return {
         "checkpoint_skip": str(mem.checkpoint_skip).strip().lower(),
         "tier_gib": tier_gib(mem.tier),
@@ -98,7 +99,7 @@ def prepare(
         say(f"warning: {msg}")
 
     # every image and caption checked, then staged in the cache (sd-scripts' caches land there, not beside them)
-    staged_images, notes = data_stage.ready(cfg.dataset, cfg.model, cache_root(), int(cfg.train.batch_size))
+    staged_images, notes = data_stage.ready_all(cfg.dataset, cfg.model, cache_root(), int(cfg.train.batch_size))
     for note in notes:
         say(f"note: {note}")
     runs_root = plan.runs_root
@@ -126,7 +127,7 @@ def prepare(
             sample_prompts=run_dir / "sample_prompts.txt" if cfg.sample.prompts else None,
             resume_state=state.path if state is not None else None,
             tracker_config=run_dir / "tracker.toml" if cfg.logging.tensorboard else None,
-            images=staged_images,
+            images=tuple(staged_images),
         )
         train_doc, dataset_doc = translate(cfg, paths)
         problems = check_training_keys(train_doc.flat(), load_schema()["flags"])
@@ -223,7 +224,7 @@ def _flops_options(cfg: DictConfig) -> dict:
     except ImportError:
         return {}
     shape = PRESETS.get(cfg.model.get("random_preset") or "full", PRESETS["full"])["flux"]
-    res = int(cfg.dataset.resolution)
+    res = largest_resolution(cfg.dataset)
     flops = flux_step_flops(
         hidden=shape["hidden_size"],
         depth=shape["depth"],

@@ -216,7 +216,10 @@ def absolute_paths(cfg: DictConfig) -> None:
     """sd-scripts runs in a child process: give it absolute paths, whatever the cwd."""
     for part in ("flux", "ae", "clip_l", "t5xxl"):
         cfg.model[part] = str(Path(str(cfg.model[part])).expanduser().absolute())
-    cfg.dataset.images = str(Path(cfg.dataset.images).expanduser().absolute())
+    if cfg.dataset.images is not None:
+        cfg.dataset.images = str(Path(cfg.dataset.images).expanduser().absolute())
+    for subset in cfg.dataset.subsets:
+        subset.images = str(Path(subset.images).expanduser().absolute())
 
 
 def processes(cfg: DictConfig, info) -> int:

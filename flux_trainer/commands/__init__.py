@@ -35,9 +35,12 @@ def dispatch(argv: list[str]) -> int:
     ds = sub.add_parser("dataset", help="dataset configs").add_subparsers(dest="action", required=True)
     init = ds.add_parser("init", help="check an image folder and write configs/dataset/NAME.yaml")
     init.add_argument("name")
-    init.add_argument("--images", required=True, type=Path, help="folder of images with .txt captions")
+    init.add_argument(
+        "--images", required=True, type=Path, action="append", help="folder of images with .txt captions (repeatable)"
+    )
+    init.add_argument("--reg", type=Path, action="append", default=[], help="folder of regularisation images")
     init.add_argument("--trigger", help="word put in front of every caption (and the caption of uncaptioned images)")
-    init.add_argument("--resolution", type=int, default=1024)
+    init.add_argument("--resolution", default="1024", help="a resolution, or several: 512,768,1024")
     init.add_argument("--repeats", type=int, default=10)
     init.add_argument("--config-dir", type=Path, help=f"where to write (default ./configs, or ${CONFIG_DIR_ENV})")
     init.add_argument("--force", action="store_true", help="overwrite an existing config of that name")

@@ -77,7 +77,7 @@ def config_problems(
     path: Path,
     *,
     trigger: str | None,
-    resolution: int,
+    resolution: int | list[int],
     force: bool,
     captions_to_come: bool = False,
 ) -> list[str]:
@@ -97,11 +97,32 @@ def config_problems(
             f"{len(report.uncaptioned)} images have no .txt caption; add captions, pass --caption to write them, "
             "or pass --trigger WORD"
         )
-    if resolution % 16 or resolution < 64:
-        problems.append(f"--resolution {resolution}: must be a multiple of 16 (at least 64)")
+    problems += resolution_problems(resolution if isinstance(resolution, list) else [resolution])
     if path.exists() and not force:
         problems.append(f"{path} exists; pass --force to overwrite it")
     return problems
+
+
+def resolution_problems(resolutions: list[int]) -> list[str]:
+    from flux_trainer.config.validate import RESOLUTION_RANGE
+
+    lo, hi = RESOLUTION_RANGE
+    return [
+        f"--resolution {r}: must be a multiple of 16 between {lo} and {hi}"
+        for r in resolutions
+        if r % 16 or not lo <= r <= hi
+    ]
+
+
+def parse_resolutions(text: str) -> list[int]:
+    """`--resolution 512,768,1024` as numbers; ConfigError for anything else."""
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        raise ConfigError(f"--resolution {text}: a number of pixels, or several: 512,768,1024") from None
+    if len(set(values)) != len(values):
+        raise ConfigError(f"--resolution {text}: a resolution is listed twice; list each once")
+    return values
 
 
 def write_dataset_config(
@@ -110,7 +131,7 @@ def write_dataset_config(
     images: Path,
     *,
     trigger: str | None = None,
-    resolution: int = 1024,
+    resolution: int | list[int] = 1024,
     repeats: int = 10,
     force: bool = False,
     report: FolderReport | None = None,
@@ -130,7 +151,7 @@ def write_dataset_config(
         f"name: {json.dumps(name)}",
         f"images: {json.dumps(str(report.folder))}",
         f"trigger: {json.dumps(trigger) if trigger else 'null'}  # starts every caption",
-        f"resolution: {resolution}  # training resolution; images are bucketed by aspect ratio around it",
+        f"resolution: {json.dumps(resolution)}  # training resolution; images are bucketed by aspect ratio around it",
         f"repeats: {repeats}  # times each image is seen per epoch",
     ]
     body += [f"{k}: {json.dumps(v)}" for k, v in (extra or {}).items()]
@@ -146,16 +167,23 @@ def dataset_init(ns: argparse.Namespace) -> int:
     config_dir = ns.config_dir or (
         Path(os.environ[CONFIG_DIR_ENV]) if os.environ.get(CONFIG_DIR_ENV) else Path("configs")
     )
+    resolutions = parse_resolutions(ns.resolution)
+    resolution = resolutions[0] if len(resolutions) == 1 else resolutions
+    if len(ns.images) > 1 or ns.reg:
+        path = init_subsets(ns, config_dir, resolution)
+        print(f"wrote {path}\nnext: flux-train +dataset={ns.name} dry_run=true")
+        return 0
+    ns.images = ns.images[0]
     report = describe_folder(ns.images)
     print(report.text())
     if ns.caption:
-        report = caption_for_init(ns, config_dir, report)
+        report = caption_for_init(ns, config_dir, report, resolution)
     path = write_dataset_config(
         config_dir,
         ns.name,
         ns.images,
         trigger=ns.trigger,
-        resolution=ns.resolution,
+        resolution=resolution,
         repeats=ns.repeats,
         force=ns.force,
         report=report,
@@ -164,7 +192,63 @@ def dataset_init(ns: argparse.Namespace) -> int:
     return 0
 
 
-def caption_for_init(ns: argparse.Namespace, config_dir: Path, report: FolderReport) -> FolderReport:
+def init_subsets(ns: argparse.Namespace, config_dir: Path, resolution: int | list[int]) -> Path:
+    """`dataset init` with several `--images` or a `--reg`: every folder described and checked, then one config
+    listing them as subsets. Reg folders take no trigger word: their images need captions of their own."""
+    if ns.caption:
+        raise ConfigError("--caption captions one folder: run `flux-train dataset caption DIR` for each, then init")
+    folders = [(Path(f), False) for f in ns.images] + [(Path(f), True) for f in ns.reg]
+    path = Path(config_dir) / "dataset" / f"{ns.name}.yaml"
+    problems: list[str] = []
+    reports = []
+    for folder, is_reg in folders:
+        flag = "--reg" if is_reg else "--images"
+        try:
+            report = describe_folder(folder)
+        except ConfigError as exc:
+            raise ConfigError([p.replace("--images", flag) for p in exc.problems]) from None
+        print(report.text())
+        reports.append(report)
+        for p in config_problems(
+            report, ns.name, path, trigger=None if is_reg else ns.trigger, resolution=resolution, force=ns.force
+        ):
+            if "have no .txt caption" in p:
+                fix = (
+                    "caption them (a reg folder takes no trigger word)" if is_reg else "caption them or pass --trigger"
+                )
+                p = f"{flag} {report.folder}: {len(report.uncaptioned)} images have no .txt caption; {fix}"
+            problems += [p.replace("--images", flag)] if p not in problems else []
+    if len({str(r.folder) for r in reports}) != len(reports):
+        problems.append("a folder is given twice; give each once (--repeats weights all of them)")
+    if problems:
+        raise ConfigError(problems)
+    subsets = []
+    for (_, is_reg), report in zip(folders, reports, strict=True):
+        entry = {"images": str(report.folder), "repeats": 1 if is_reg else ns.repeats}
+        if is_reg:
+            entry["is_reg"] = True
+        elif ns.trigger:
+            entry["trigger"] = ns.trigger
+        subsets.append(entry)
+    body = [
+        f"# flux-train +dataset={ns.name}",
+        f"# {len(folders)} folders, {sum(r.total for r in reports)} images (written by `flux-train dataset init`).",
+        f"name: {json.dumps(ns.name)}",
+        f"resolution: {json.dumps(resolution)}  # one sd-scripts dataset per resolution, over every folder",
+        "subsets:",
+    ]
+    for entry in subsets:
+        body.append("  - " + "\n    ".join(f"{k}: {json.dumps(v)}" for k, v in entry.items()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text("\n".join(body) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def caption_for_init(
+    ns: argparse.Namespace, config_dir: Path, report: FolderReport, resolution: int | list[int] = 1024
+) -> FolderReport:
     """`dataset init --caption`: refuse what would refuse the config first (no minutes of captioning before "the
     name is invalid"), then caption the images without one. The trigger word is not written into the captions: the
     config's `trigger` puts it in front of every caption at training, and written too it would come twice."""
@@ -172,7 +256,7 @@ def caption_for_init(ns: argparse.Namespace, config_dir: Path, report: FolderRep
 
     path = Path(config_dir) / "dataset" / f"{ns.name}.yaml"
     problems = config_problems(
-        report, ns.name, path, trigger=ns.trigger, resolution=ns.resolution, force=ns.force, captions_to_come=True
+        report, ns.name, path, trigger=ns.trigger, resolution=resolution, force=ns.force, captions_to_come=True
     )
     if problems:
         raise ConfigError(problems)

@@ -38,11 +38,29 @@ class ModelConfig:
 
 
 @dataclass
+class SubsetConfig:
+    """One folder of a dataset that lists several (`subsets:`); a key left null takes the dataset's value (a
+    regularisation folder's trigger excepted: reg images are the class, not the character)."""
+
+    images: str = MISSING  # a folder of images; captions beside them
+    trigger: str | None = None
+    repeats: int | None = None
+    caption_dropout_rate: float | None = None
+    is_reg: bool = False  # regularisation images, their loss weighted by train.prior_loss_weight
+    alpha_mask: bool | None = None
+
+
+@dataclass
 class DatasetConfig:
     name: str = MISSING
-    images: str = MISSING  # a folder of images; captions beside them as NAME.txt
+    # a folder of images; captions beside them as NAME.txt. Or leave it out and list folders in `subsets`
+    images: str | None = None
     trigger: str | None = None  # put in front of every caption; the caption of images without a .txt
-    resolution: int = 1024
+    # a number, or a list of them: one sd-scripts dataset per resolution over the same folders
+    resolution: Any = 1024
+    subsets: list[SubsetConfig] = field(default_factory=list)  # several folders instead of `images`
+    # masked loss from each image's alpha channel (opaque: learned, transparent: not); every image needs one
+    alpha_mask: bool = False
     repeats: int = 10
     caption_extension: str = ".txt"
     enable_bucket: bool = True  # aspect-ratio buckets, so images are not cropped square
@@ -175,6 +193,7 @@ class TrainConfig:
     guidance_scale: float = 1.0
     discrete_flow_shift: float = 3.1582
     loss_type: str = "l2"  # l2 | l1 | huber | smooth_l1
+    prior_loss_weight: float = 1.0  # the loss of regularisation images (a dataset subset with is_reg) times this
     # huber and smooth_l1 only: the threshold, and how it changes with the timestep (constant | exponential; sd-scripts'
     # snr schedule needs a scheduler with alphas_cumprod, which FLUX's flow matching has not)
     huber_c: float = 0.1

@@ -17,6 +17,7 @@ from flux_kernels.runtime.request import KERNEL_NAMES, parse_request
 from flux_trainer.config.errors import ConfigError
 from flux_trainer.config.refusals import output_name_problem
 from flux_trainer.data.check import IMAGE_EXTENSIONS
+from flux_trainer.data.subsets import resolutions_of, subsets_of
 
 OPTIMIZERS = ("prodigy", "adamw", "adamw8bit", "adafactor")
 # network=lokr | network=loha: the LyCORIS release whose 2-step CPU run on the tiny FLUX was checked (pyproject's
@@ -106,20 +107,92 @@ def no_dataset_message(search_dirs: list[Path]) -> str:
     return f"no dataset: add +dataset=NAME ({have}); create one with `flux-train dataset init NAME --images DIR`"
 
 
-def _check_dataset(d: DictConfig, problems: list[str]) -> None:
-    res = d.resolution
+def _resolution_problems(d: DictConfig) -> list[str]:
+    """Each resolution a whole multiple of 16 in RESOLUTION_RANGE, inside the buckets; a list not empty."""
     lo, hi = RESOLUTION_RANGE
-    if res % 16 or not lo <= res <= hi:
-        nearest = min(max(round(res / 64) * 64, lo), hi)
+    values = resolutions_of(d)
+    if not values:
+        return ["dataset.resolution=[]: give one resolution (1024) or several ([512, 768, 1024])"]
+    out = []
+    for res in values:
+        if isinstance(res, bool) or not isinstance(res, int):
+            out.append(f"dataset.resolution={res}: a whole number of pixels, or a list of them ([512, 768, 1024])")
+            continue
+        if res % 16 or not lo <= res <= hi:
+            nearest = min(max(round(res / 64) * 64, lo), hi)
+            out.append(
+                f"dataset.resolution={res}: must be a multiple of 16 between {lo} and {hi} "
+                f"(FLUX packs 2x2 latents of an 8x-downscaling AE); try dataset.resolution={nearest}"
+            )
+        elif d.enable_bucket and not d.min_bucket_reso <= res <= d.max_bucket_reso:
+            out.append(
+                f"dataset.resolution={res} is outside the buckets dataset.min_bucket_reso={d.min_bucket_reso} .. "
+                f"dataset.max_bucket_reso={d.max_bucket_reso}; widen them"
+            )
+    if len(values) != len(set(map(str, values))):
+        out.append(f"dataset.resolution={list(values)}: a resolution is listed twice; list each once")
+    return out
+
+
+def _check_folder(d: DictConfig, key: str, folder: Path, problems: list[str], alpha_mask: bool = False) -> None:
+    if not folder.is_dir():
+        problems.append(f"dataset '{d.name}': {folder} does not exist; set {key} to your image folder")
+        return
+    scan = scan_dataset(folder, d.caption_extension)
+    if scan.total == 0:
+        problems.append(f"dataset '{d.name}': {folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")
+    elif alpha_mask and (opaque := without_alpha(folder)):
+        some = ", ".join(opaque[:3]) + (" ..." if len(opaque) > 3 else "")
         problems.append(
-            f"dataset.resolution={res}: must be a multiple of 16 between {lo} and {hi} "
-            f"(FLUX packs 2x2 latents of an 8x-downscaling AE); try dataset.resolution={nearest}"
+            f"alpha_mask: {len(opaque)} images of {folder} have no alpha channel ({some}); sd-scripts would learn all "
+            "of them: save them as RGBA PNGs, or drop alpha_mask"
         )
-    if d.enable_bucket and not d.min_bucket_reso <= res <= d.max_bucket_reso:
+
+
+def without_alpha(folder: Path) -> list[str]:
+    """The images of `folder` whose mode carries no alpha channel (their header alone is read)."""
+    from PIL import Image
+
+    out = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
+            continue
+        try:
+            with Image.open(entry.path) as im:
+                if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+                    continue
+        except OSError:
+            continue  # not readable: flux_trainer.data.check names it
+        out.append(entry.name)
+    return out
+
+
+def _check_subsets(d: DictConfig, problems: list[str]) -> None:
+    """The folders of `subsets:`: each one there with images, its numbers in range, one of them not reg."""
+    if d.images is not None:
         problems.append(
-            f"dataset.resolution={res} is outside the buckets dataset.min_bucket_reso={d.min_bucket_reso} .. "
-            f"dataset.max_bucket_reso={d.max_bucket_reso}; widen them"
+            f"dataset '{d.name}' has both images and subsets: list the folder {d.images} as a subset, or drop subsets"
         )
+    seen: set[str] = set()
+    for i, s in enumerate(d.subsets):
+        key = f"dataset.subsets[{i}]"
+        if s.repeats is not None and s.repeats < 1:
+            problems.append(f"{key}.repeats={s.repeats}: must be at least 1")
+        rate = s.caption_dropout_rate
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            problems.append(f"{key}.caption_dropout_rate={rate}: a fraction of steps, 0 to 1 (0.05 is typical)")
+        folder = Path(s.images).expanduser()
+        if str(folder.absolute()) in seen:
+            problems.append(f"{key}.images={s.images}: listed twice; list each folder once (repeats weights it)")
+        seen.add(str(folder.absolute()))
+        alpha = d.alpha_mask if s.get("alpha_mask") is None else s.alpha_mask
+        _check_folder(d, f"{key}.images", folder, problems, bool(alpha))
+    if all(s.is_reg for s in d.subsets):
+        problems.append(f"dataset '{d.name}': every subset has is_reg: true; add a folder of the images to learn")
+
+
+def _check_dataset(d: DictConfig, problems: list[str]) -> None:
+    problems += _resolution_problems(d)
     if d.repeats < 1:
         problems.append(f"dataset.repeats={d.repeats}: must be at least 1")
     split = d.validation_split
@@ -131,13 +204,14 @@ def _check_dataset(d: DictConfig, problems: list[str]) -> None:
     rate = d.caption_dropout_rate
     if not 0.0 <= rate <= 1.0:
         problems.append(f"dataset.caption_dropout_rate={rate}: a fraction of steps, 0 to 1 (0.05 is typical)")
-    folder = Path(d.images).expanduser()
-    if not folder.is_dir():
-        problems.append(f"dataset '{d.name}': {folder} does not exist; set dataset.images to your image folder")
-        return
-    scan = scan_dataset(folder, d.caption_extension)
-    if scan.total == 0:
-        problems.append(f"dataset '{d.name}': {folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")
+    if d.subsets:
+        _check_subsets(d, problems)
+    elif d.images is None:
+        problems.append(
+            f"dataset '{d.name}' has no images: add images: /path/to/your/images (or subsets: a list of folders)"
+        )
+    else:
+        _check_folder(d, "dataset.images", Path(d.images).expanduser(), problems, bool(d.alpha_mask))
 
 
 # Keys removed because their measured effect was nil (the measurements stay in docs): one release of warning.
@@ -318,10 +392,19 @@ def _check_loss_and_validation(cfg: DictConfig, problems: list[str], warnings: l
     if OmegaConf.is_missing(cfg, "dataset"):
         return
     d = cfg.dataset
-    if 0 < d.caption_dropout_rate <= 1 and cfg.cache.text_encoder_outputs:
+    rates = [s.caption_dropout_rate for s in subsets_of(d) if 0 < s.caption_dropout_rate <= 1]
+    if rates and cfg.cache.text_encoder_outputs:
         problems.append(
-            f"dataset.caption_dropout_rate={d.caption_dropout_rate} needs cache.text_encoder_outputs=false "
+            f"dataset.caption_dropout_rate={max(rates)} needs cache.text_encoder_outputs=false "
             "(sd-scripts cannot drop a cached caption; the text encoders then stay loaded while training)"
+        )
+    if tr.prior_loss_weight < 0:
+        problems.append(
+            f"train.prior_loss_weight={tr.prior_loss_weight}: must be 0 or more (1.0: reg images as others)"
+        )
+    elif tr.prior_loss_weight != 1.0 and not any(s.is_reg for s in subsets_of(d)):
+        warnings.append(
+            f"train.prior_loss_weight={tr.prior_loss_weight} but no subset has is_reg: true; it weighs nothing"
         )
     if tr.validate_every_n_steps is not None and not d.validation_split:
         warnings.append(

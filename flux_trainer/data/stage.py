@@ -187,16 +187,13 @@ def _split_problem(dataset: Any, usable: int, batch_size: int) -> str | None:
     return None
 
 
-def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tuple[Path, list[str]]:
-    """A run's dataset checked and staged: (the staged folder for sd-scripts, notes to show). ConfigError naming
-    every bad file (up to MAX_LISTED), or a batch the dataset cannot fill."""
+def _refuse_bad_files(dataset: Any, check: Any, trigger: str | None) -> None:
+    """ConfigError naming every bad file of one folder (up to MAX_LISTED), or its uncaptioned images without a
+    trigger word, or no image at all."""
     from flux_trainer.config.errors import ConfigError
-    from flux_trainer.data.check import check_folder
 
-    folder = Path(str(dataset.images)).expanduser()
-    check = check_folder(folder, dataset.caption_extension, cache_dir)
     problems = check.problems()
-    uncaptioned = [] if dataset.trigger else _uncaptioned(check, dataset.caption_extension)
+    uncaptioned = [] if trigger else _uncaptioned(check, dataset.caption_extension)
     if problems:
         more = f" ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
         listed = problems[:MAX_LISTED]
@@ -207,9 +204,35 @@ def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tup
         raise ConfigError(listed)
     if uncaptioned:
         raise ConfigError(_uncaptioned_line(dataset, uncaptioned, len(check.usable())))
-    usable = len(check.usable())
-    if usable == 0:
+    if not check.usable():
         raise ConfigError(f"dataset '{dataset.name}': {check.folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")
+
+
+def _stage_keys(dataset: Any, model: Any, trigger: str | None, alpha_mask: bool = False) -> tuple[str, str]:
+    te_key = json.dumps(
+        [
+            str(model.clip_l),
+            str(model.t5xxl),
+            model.get("t5xxl_max_token_length"),
+            trigger,
+            dataset.keep_tokens,
+            dataset.caption_extension,
+        ]  # fmt: skip
+    )
+    latents = [str(model.ae), bool(dataset.flip_aug)] + (["alpha_mask"] if alpha_mask else [])  # masks cache beside
+    return te_key, json.dumps(latents)
+
+
+def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tuple[Path, list[str]]:
+    """A run's dataset checked and staged: (the staged folder for sd-scripts, notes to show). ConfigError naming
+    every bad file (up to MAX_LISTED), or a batch the dataset cannot fill."""
+    from flux_trainer.config.errors import ConfigError
+    from flux_trainer.data.check import check_folder
+
+    folder = Path(str(dataset.images)).expanduser()
+    check = check_folder(folder, dataset.caption_extension, cache_dir)
+    _refuse_bad_files(dataset, check, dataset.trigger)
+    usable = len(check.usable())
     if batch_size > usable:
         raise ConfigError(
             f"train.batch_size={batch_size} is larger than dataset '{dataset.name}' ({usable} images): sd-scripts "
@@ -224,16 +247,44 @@ def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tup
             f"dataset.validation_split={dataset.validation_split}: {trained + held - usable} of the {held} held-out "
             f"images also trains (sd-scripts' rounding of {usable} images)"
         )
-    te_key = json.dumps(
-        [
-            str(model.clip_l),
-            str(model.t5xxl),
-            model.get("t5xxl_max_token_length"),
-            dataset.trigger,
-            dataset.keep_tokens,
-            dataset.caption_extension,
-        ]  # fmt: skip
-    )
-    latents_key = json.dumps([str(model.ae), bool(dataset.flip_aug)])
+    te_key, latents_key = _stage_keys(dataset, model, dataset.trigger, bool(dataset.get("alpha_mask")))
     staged = stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key)
+    return staged, notes
+
+
+def ready_all(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tuple[list[Path], list[str]]:
+    """Every folder of a run's dataset checked, then each staged (the single-folder form: `ready`): (the staged
+    folders, one per subset in order, and notes to show). Nothing is staged until every folder passed."""
+    from flux_trainer.config.errors import ConfigError
+    from flux_trainer.data.check import check_folder
+    from flux_trainer.data.subsets import subsets_of
+
+    if not dataset.get("subsets"):
+        staged, notes = ready(dataset, model, cache_dir, batch_size)
+        return [staged], notes
+    subsets = subsets_of(dataset)
+    checks = [check_folder(Path(s.images).expanduser(), dataset.caption_extension, cache_dir) for s in subsets]
+    problems: list[str] = []
+    for subset, check in zip(subsets, checks, strict=True):
+        try:
+            _refuse_bad_files(dataset, check, subset.trigger)
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    learned = sum(len(c.usable()) for s, c in zip(subsets, checks, strict=True) if not s.is_reg)
+    if batch_size > learned:
+        raise ConfigError(
+            f"train.batch_size={batch_size} is larger than the {learned} images dataset '{dataset.name}' learns "
+            f"(its subsets without is_reg); use train.batch_size={learned} or less"
+        )
+    notes: list[str] = []
+    for subset, check in zip(subsets, checks, strict=True):
+        if not subset.is_reg and (problem := _split_problem(dataset, len(check.usable()), 1)):
+            raise ConfigError(f"{check.folder}: {problem}")
+        notes += check.notes()
+    staged = []
+    for subset, check in zip(subsets, checks, strict=True):
+        te_key, latents_key = _stage_keys(dataset, model, subset.trigger, subset.alpha_mask)
+        staged.append(stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key))
     return staged, notes

@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from flux_trainer.data.check import IMAGE_EXTENSIONS
+from flux_trainer.data.subsets import resolutions_of
 from flux_trainer.doctor.core import FAIL, PASS, SKIP, WARN, CheckResult, gib, one_line
 
 GROUP = "disk"
@@ -53,6 +54,8 @@ def disk_check(cfg) -> CheckResult:
     if OmegaConf.is_missing(cfg, "dataset"):
         return CheckResult("disk", SKIP, "no +dataset=NAME given: no cache to estimate", "", GROUP)
     d, cache = cfg.dataset, cfg.cache
+    if d.get("subsets"):
+        return CheckResult("disk", SKIP, f"dataset '{d.name}' lists several folders: not estimated yet", "", GROUP)
     folder = Path(str(d.images)).expanduser()
     if not folder.is_dir():
         return CheckResult("disk", SKIP, f"{folder} does not exist (see the config row)", "", GROUP)
@@ -71,7 +74,7 @@ def disk_check(cfg) -> CheckResult:
     have_latents = {m.group(1) for n in names if (m := _LATENT_FILE.match(n))}
     have_text = {n.removesuffix(_TE_SUFFIX) for n in names if n.endswith(_TE_SUFFIX)}
     tokens = t5_tokens_for(cfg)
-    per_latent, per_text = latent_bytes(int(d.resolution), bool(d.flip_aug)), text_bytes(tokens)
+    per_latent, per_text = sum(latent_bytes(int(r), bool(d.flip_aug)) for r in resolutions_of(d)), text_bytes(tokens)
     new_latents = sum(1 for s in images if s not in have_latents) if latents else 0
     new_text = sum(1 for s in images if s not in have_text) if text else 0
     need = new_latents * per_latent + new_text * per_text

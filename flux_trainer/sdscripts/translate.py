@@ -6,12 +6,14 @@ pinned parser's schema (`parser_schema.json`) before a run starts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from flux_trainer.data.subsets import Subset, resolutions_of, subsets_of
 from flux_trainer.sdscripts.toml_doc import Document, Item, Table
 
 # Why each optimizer argument has the value it has; shown beside the value in sd_scripts.toml.
@@ -37,7 +39,8 @@ class RunPaths:
     sample_prompts: Path | None = None  # written by the caller when cfg.sample.prompts is not empty
     resume_state: Path | None = None
     tracker_config: Path | None = None  # written by the caller (tracker_document) when TensorBoard is on
-    images: Path | None = None  # the folder sd-scripts reads (flux_trainer.data.stage); None: the dataset's own
+    # the folders sd-scripts reads (flux_trainer.data.stage), one per subset; None: the dataset's own
+    images: Path | tuple[Path, ...] | None = None
 
     @property
     def output_dir(self) -> Path:
@@ -158,6 +161,8 @@ def training_document(cfg: DictConfig, paths: RunPaths) -> Document:
     t.add("guidance_scale", float(cfg.train.guidance_scale), "1.0 for LoRA training on FLUX.1-dev")
     t.add("discrete_flow_shift", float(cfg.train.discrete_flow_shift))
     t.add("loss_type", cfg.train.loss_type)
+    if any(s.is_reg for s in subsets_of(cfg.dataset)):
+        t.add("prior_loss_weight", float(cfg.train.prior_loss_weight), "the loss of regularisation images times this")
     if cfg.train.loss_type in ("huber", "smooth_l1"):
         t.add("huber_c", float(cfg.train.huber_c))
         t.add("huber_schedule", cfg.train.huber_schedule, "sd-scripts' default, snr, fails on FLUX's scheduler")
@@ -208,45 +213,63 @@ def validation_seed(cfg: DictConfig) -> int:
     return int(cfg.train.validation_seed if cfg.train.validation_seed is not None else cfg.train.seed)
 
 
-def dataset_document(cfg: DictConfig, images: Path | None = None) -> Document:
-    """The dataset config; `images`: the folder sd-scripts reads instead of the dataset's own (its staged copy)."""
+def dataset_document(cfg: DictConfig, images: Path | Sequence[Path] | None = None) -> Document:
+    """The dataset config: one sd-scripts dataset per resolution, each over every folder of the dataset. `images`:
+    the folders sd-scripts reads instead of the dataset's own (their staged copies, one per subset in order)."""
     d = cfg.dataset
+    subsets = subsets_of(d)
+    staged = [images] if isinstance(images, Path) else list(images or [])
+    if staged and len(staged) != len(subsets):
+        raise ValueError(f"{len(staged)} staged folders for the {len(subsets)} folders of dataset '{d.name}'")
     doc = Document(header=f"sd-scripts dataset config for '{d.name}', written by flux-train (--dataset_config).")
     g = doc.table("general")
     g.add("caption_extension", d.caption_extension)
     g.add("shuffle_caption", False, "captions stay as written; also required for text-encoder output caching")
     g.add("keep_tokens", int(d.keep_tokens))
-    ds = doc.table("datasets", array=True)
-    ds.add("resolution", int(d.resolution))
-    ds.add("batch_size", int(cfg.train.batch_size))
-    ds.add("enable_bucket", bool(d.enable_bucket), "aspect-ratio buckets instead of square crops")
-    ds.add("min_bucket_reso", int(d.min_bucket_reso))
-    ds.add("max_bucket_reso", int(d.max_bucket_reso))
-    ds.add(
-        "bucket_reso_steps",
-        64,
-        "FLUX packs 2x2 latents of the AE's 8x downscale: multiples of 16 work, 64 buckets well",
-    )
-    ds.add("bucket_no_upscale", bool(d.bucket_no_upscale))
-    if validation_split(cfg):
-        ds.add("validation_split", validation_split(cfg), "held out for the validation loss")
-        # sd-scripts builds the training and the validation set apart, each shuffling the images before it takes
-        # its part: without a seed the two shuffles differ and the parts overlap
-        ds.add("validation_seed", validation_seed(cfg), "the same shuffle for both parts: they do not overlap")
+    for resolution in resolutions_of(d):
+        ds = doc.table("datasets", array=True)
+        ds.add("resolution", int(resolution))
+        ds.add("batch_size", int(cfg.train.batch_size))
+        ds.add("enable_bucket", bool(d.enable_bucket), "aspect-ratio buckets instead of square crops")
+        ds.add("min_bucket_reso", int(d.min_bucket_reso))
+        ds.add("max_bucket_reso", int(d.max_bucket_reso))
+        ds.add(
+            "bucket_reso_steps",
+            64,
+            "FLUX packs 2x2 latents of the AE's 8x downscale: multiples of 16 work, 64 buckets well",
+        )
+        ds.add("bucket_no_upscale", bool(d.bucket_no_upscale))
+        if validation_split(cfg):
+            ds.add("validation_split", validation_split(cfg), "held out for the validation loss")
+            # sd-scripts builds the training and the validation set apart, each shuffling the images before it takes
+            # its part: without a seed the two shuffles differ and the parts overlap
+            ds.add("validation_seed", validation_seed(cfg), "the same shuffle for both parts: they do not overlap")
+        for i, subset in enumerate(subsets):
+            ds.children.append(subset_table(d, subset, staged[i] if staged else None))
+    return doc
+
+
+def subset_table(d: DictConfig, subset: Subset, staged: Path | None) -> Table:
+    """One folder of the dataset as an sd-scripts DreamBooth subset."""
     sub = Table("datasets.subsets", array=True)
-    if images is None:
-        sub.add("image_dir", str(d.images))
+    if staged is None:
+        sub.add("image_dir", subset.images)
     else:
-        sub.add("image_dir", str(images), f"{d.images}, staged in flux-train's cache: sd-scripts' caches land here")
-    sub.add("num_repeats", int(d.repeats))
-    if d.trigger:
-        sub.add("caption_prefix", f"{d.trigger},", "the trigger word starts every caption")
+        sub.add(
+            "image_dir", str(staged), f"{subset.images}, staged in flux-train's cache: sd-scripts' caches land here"
+        )
+    sub.add("num_repeats", subset.repeats)
+    if subset.is_reg:
+        sub.add("is_reg", True, "regularisation images: their loss is weighted by prior_loss_weight")
+    if subset.trigger:
+        sub.add("caption_prefix", f"{subset.trigger},", "the trigger word starts every caption")
         sub.add("class_tokens", "", "images without a caption file get the trigger word alone")
     sub.add("flip_aug", bool(d.flip_aug))
-    if d.caption_dropout_rate:
-        sub.add("caption_dropout_rate", float(d.caption_dropout_rate), "steps trained on an empty caption")
-    ds.children.append(sub)
-    return doc
+    if subset.alpha_mask:
+        sub.add("alpha_mask", True, "masked loss: the alpha channel says where to learn (transparent: nowhere)")
+    if subset.caption_dropout_rate:
+        sub.add("caption_dropout_rate", subset.caption_dropout_rate, "steps trained on an empty caption")
+    return sub
 
 
 def sample_prompts_text(cfg: DictConfig) -> str:

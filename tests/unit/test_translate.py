@@ -181,3 +181,31 @@ def test_committed_schema_records_the_pinned_commit():
 
     assert load_schema()["commit"] == PINNED_COMMIT
     assert len(FLAGS) > 150 and FLAGS["network_args"]["kind"] == "list"
+
+
+MULTI_FOLDER = [
+    "dataset.images=null",
+    "dataset.resolution=[512,768,1024]",
+    "dataset.subsets=[{images:'/data/mychar/closeups',trigger:ohwx,repeats:10,caption_dropout_rate:0.05},"
+    "{images:'/data/mychar/full_body',trigger:ohwx,repeats:5},{images:'/data/reg/man',is_reg:true,repeats:1}]",
+    "train.prior_loss_weight=0.8",
+    "cache.text_encoder_outputs=false",
+]
+
+
+def test_golden_multi_folder(golden_compose):
+    """Several folders, a regularisation folder and three resolutions: one sd-scripts dataset per resolution, each
+    with every folder as a subset; the staged folders stand in for the user's, in order."""
+    cfg = golden_compose(*MULTI_FOLDER)
+    cfg.dataset.images = None
+    staged = (Path("/cache/datasets/a"), Path("/cache/datasets/b"), Path("/cache/datasets/c"))
+    train_doc, dataset_doc = translate(cfg, RunPaths(Path("/runs/multi"), Path("/cache/tokenizers"), images=staged))
+    for kind, doc in (("sd_scripts", train_doc), ("dataset", dataset_doc)):
+        path = GOLDEN / f"multi_folder.{kind}.toml"
+        if os.environ.get("UPDATE_GOLDENS"):
+            path.write_text(doc.dumps())
+        assert path.exists(), f"missing golden {path}; run with UPDATE_GOLDENS=1 once and review it"
+        assert doc.dumps() == path.read_text(), f"{path.name} changed; review and UPDATE_GOLDENS=1 if intended"
+    assert check_training_keys(train_doc.flat(), FLAGS) == []
+    with pytest.raises(ValueError, match="2 staged folders for the 3 folders"):
+        translate(cfg, RunPaths(Path("/runs/multi"), images=staged[:2]))
