@@ -215,3 +215,18 @@ def test_chroma_models_compose_without_clip_l_and_with_chromas_settings(compose,
 def test_an_unknown_model_type_is_refused(compose):
     (p,) = problems_of(compose("+dataset=mychar", "model=random_tiny", "model.model_type=sd3"))
     assert "model.model_type=sd3" in p and "flux, chroma" in p
+
+
+def test_only_the_narrow_random_presets_need_flux_trains_own_loader():
+    """sd-scripts' loaders hard-code the full widths (FLUX.1-dev's, Chroma's): the full presets go through them."""
+    from flux_trainer.app import _custom_loader
+    from flux_trainer.config.random_specs import PRESETS, needs_custom_loader
+
+    assert [p for p in PRESETS if needs_custom_loader(PRESETS[p])] == ["tiny", "chroma_tiny"]
+    assert [_custom_loader(p) for p in (None, "full", "tiny", "chroma", "chroma_tiny")] == [
+        False,
+        False,
+        True,
+        False,
+        True,
+    ]
