@@ -166,7 +166,7 @@ def prepare(
             sd_scripts=str(checkout.path) if checkout else "",
             train_toml=str(train_toml),
             dataset_toml=str(dataset_toml),
-            random_model_dir=str(Path(cfg.model.flux).parent) if random_preset == "tiny" else None,
+            random_model_dir=str(Path(cfg.model.flux).parent) if _custom_loader(random_preset) else None,
             kernels=plan.kernels.for_runner(),
             metrics={"enabled": cfg.logging.tensorboard, **_flops_options(cfg), **_profile_options(cfg)},
             tf32=profile.env.get("FLUX_TRAIN_TF32") == "1",
@@ -189,6 +189,13 @@ def prepare(
         raise
     env = {**os.environ, **profile.env}
     return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile), lock, info)
+
+
+def _custom_loader(random_preset: str | None) -> bool:
+    """A random preset narrower than sd-scripts' loaders can build (random_tiny, random_chroma_tiny)."""
+    from flux_trainer.config.random_specs import PRESETS, needs_custom_loader
+
+    return bool(random_preset) and needs_custom_loader(PRESETS[random_preset])
 
 
 def preflight_doctor(cfg: DictConfig, info) -> None:

@@ -20,6 +20,7 @@ from flux_kernels.runtime import policy
 from flux_kernels.runtime.request import parse_request
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root
+from flux_trainer.config.random_specs import parts_for
 from flux_trainer.config.tiers import resolve_memory
 from flux_trainer.config.validate import tier_gib, validate
 
@@ -214,7 +215,7 @@ def tokenizer_dir(cfg: DictConfig) -> Path:
 
 def absolute_paths(cfg: DictConfig) -> None:
     """sd-scripts runs in a child process: give it absolute paths, whatever the cwd."""
-    for part in ("flux", "ae", "clip_l", "t5xxl"):
+    for part in parts_for(cfg.model.get("model_type", "flux")):
         cfg.model[part] = str(Path(str(cfg.model[part])).expanduser().absolute())
     if cfg.dataset.images is not None:
         cfg.dataset.images = str(Path(cfg.dataset.images).expanduser().absolute())

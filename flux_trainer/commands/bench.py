@@ -631,7 +631,11 @@ def bench_main(argv: list[str]) -> int:
         "final LoRA are compared with the first set's (same seed and data)",
     )
     ap.add_argument("--resolution", nargs="+", type=int, default=[1024])
-    ap.add_argument("--model", default="random", help="random (full size, default) or random_tiny")
+    ap.add_argument(
+        "--model",
+        default="random",
+        help="random (full size, default), random_tiny, random_chroma or random_chroma_tiny",
+    )
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="measured steps after the warm-up")
     ap.add_argument("--baseline", action="store_true", help="also run plain sd-scripts on each case's TOMLs")

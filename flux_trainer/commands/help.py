@@ -8,7 +8,7 @@ from pathlib import Path
 from flux_trainer.config.paths import shipped_config_dir, user_config_dirs
 
 GROUPS = {
-    "model": "which FLUX and text-encoder files (random / random_tiny are generated weights for tests)",
+    "model": "which FLUX.1 / Chroma and text-encoder files (random* are generated weights for tests)",
     "dataset": "your images: configs/dataset/NAME.yaml, picked with +dataset=NAME",
     "network": "the LoRA: rank, alpha, which blocks",
     "optimizer": "optimizer and learning-rate schedule",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flux_trainer.config import ConfigError
+from flux_trainer.config.random_specs import parts_for
 from flux_trainer.sdscripts.checkout import COMMIT_FILE, ENV_VAR, PINNED_COMMIT, REPO_URL, default_location, locate
 
 
@@ -62,7 +63,6 @@ def setup_sd_scripts(dest: Path | None = None, configured: str | None = None) ->
     return dest
 
 
-PARTS = ("flux", "ae", "clip_l", "t5xxl")
 # Beside each target, so the finished file is renamed into place (never copied) and a partial download
 # survives for the next run to resume. The hub client's own bookkeeping (.cache/huggingface, the
 # `.incomplete` file, repo subfolders) stays in here and is removed once the file is in place.
@@ -99,11 +99,11 @@ def plan_downloads(cfg) -> tuple[list[ModelFile], dict[str, Path]]:
     if cfg.model.get("random_preset"):
         raise ConfigError(
             f"model={cfg.model.name} is random weights generated at run time; nothing to download "
-            "(for real weights: model=flux_dev or model=flux_schnell)"
+            "(for real weights: model=flux_dev, model=flux_schnell or model=chroma)"
         )
     todo, present, problems = [], {}, []
     claimed: dict[Path, ModelFile] = {}
-    for part in PARTS:
+    for part in parts_for(cfg.model.get("model_type", "flux")):
         target = Path(str(cfg.model[part])).expanduser().absolute()
         if target.is_file():
             present[part] = target
@@ -157,7 +157,8 @@ def download_models(cfg) -> dict[str, Path]:
                 failed_repos.add(f.repo_id)  # its other files would fail the same way
     if problems:
         raise ConfigError(problems)
-    return {part: Path(str(cfg.model[part])).expanduser().absolute() for part in PARTS}
+    parts = parts_for(cfg.model.get("model_type", "flux"))
+    return {part: Path(str(cfg.model[part])).expanduser().absolute() for part in parts}
 
 
 def download_one(f: ModelFile) -> Path:

@@ -8,8 +8,20 @@ import json
 from pathlib import Path
 
 PARTS = ("flux", "ae", "clip_l", "t5xxl")
+# sd-scripts' --model_type: FLUX.1 reads all four parts; Chroma has no CLIP-L (sd-scripts feeds it a dummy)
+MODEL_TYPES = ("flux", "chroma")
 
-# full: FLUX.1-dev shapes exactly; tiny: narrow widths and 1 double + 1 single block, for CPU runs.
+
+def parts_for(model_type: str) -> tuple[str, ...]:
+    """The model files a model type reads: Chroma is conditioned on T5 alone."""
+    if model_type not in MODEL_TYPES:
+        raise KeyError(f"unknown model_type {model_type!r}; choose from {', '.join(MODEL_TYPES)}")
+    return PARTS if model_type == "flux" else tuple(p for p in PARTS if p != "clip_l")
+
+
+# full: FLUX.1-dev shapes exactly; tiny: narrow widths and 1 double + 1 single block, for CPU runs. chroma and
+# chroma_tiny: the same for Chroma (`model_type: chroma`, no CLIP-L); chroma's flux entry is sd-scripts'
+# chroma_params exactly, which its loader hard-codes (a test checks), so sd-scripts itself reads the full set.
 PRESETS: dict[str, dict] = {
     "full": {
         "flux": {
@@ -60,6 +72,50 @@ PRESETS: dict[str, dict] = {
         "t5xxl": {"d_model": 64, "d_ff": 128, "d_kv": 32, "num_heads": 2, "num_layers": 2, "vocab_size": 32128},
     },
 }
+PRESETS["chroma"] = {
+    "model_type": "chroma",
+    "flux": {
+        "hidden_size": 3072,
+        "num_heads": 24,
+        "mlp_ratio": 4.0,
+        "depth": 19,
+        "depth_single_blocks": 38,
+        "in_channels": 64,
+        "context_in_dim": 4096,
+        "axes_dim": [16, 56, 56],
+        "approximator_in_dim": 64,
+        "approximator_depth": 5,
+        "approximator_hidden_size": 5120,
+    },
+    "ae": PRESETS["full"]["ae"],
+    "t5xxl": PRESETS["full"]["t5xxl"],
+}
+PRESETS["chroma_tiny"] = {
+    "model_type": "chroma",
+    "flux": {
+        **{k: PRESETS["tiny"]["flux"][k] for k in ("hidden_size", "num_heads", "mlp_ratio", "depth")},
+        **{k: PRESETS["tiny"]["flux"][k] for k in ("depth_single_blocks", "in_channels", "context_in_dim")},
+        "axes_dim": [16, 56, 56],
+        "approximator_in_dim": 64,  # fixed by Chroma's embedding of timestep, guidance and block index (16+16+32)
+        "approximator_depth": 1,
+        "approximator_hidden_size": 64,
+    },
+    "ae": PRESETS["tiny"]["ae"],
+    "t5xxl": PRESETS["tiny"]["t5xxl"],
+}
+# FLUX fields sd-scripts does read from the checkpoint (block counts, dev vs schnell): they never need our loader.
+_FLUX_FROM_CHECKPOINT = ("depth", "depth_single_blocks", "guidance_embed")
+# the preset at the width sd-scripts' loaders hard-code, per model type
+FULL_SIZE = {"flux": "full", "chroma": "chroma"}
+
+
+def preset_model_type(preset: str) -> str:
+    return PRESETS[preset].get("model_type", "flux")
+
+
+def preset_parts(preset: str) -> tuple[str, ...]:
+    """The part files a preset has: no CLIP-L for Chroma."""
+    return parts_for(preset_model_type(preset))
 
 
 def preset_key(preset: str) -> str:
@@ -70,7 +126,23 @@ def preset_key(preset: str) -> str:
     return f"random-{preset}-{digest}"
 
 
+def needs_custom_loader(spec: dict) -> bool:
+    """True when a set's widths (spec.json, or a preset's entry) differ from the full size of its model type, which
+    sd-scripts' loaders hard-code: its FLUX loader reads only the block counts and dev/schnell from the checkpoint,
+    its Chroma loader nothing at all. Then flux-train's own loader must build the modules."""
+    model_type = spec.get("model_type", "flux")
+    full = PRESETS[FULL_SIZE[model_type]]
+    from_checkpoint = _FLUX_FROM_CHECKPOINT if model_type == "flux" else ()
+    for part in parts_for(model_type):
+        have = {k: v for k, v in spec[part].items() if not (part == "flux" and k in from_checkpoint)}
+        want = {k: v for k, v in full[part].items() if not (part == "flux" and k in from_checkpoint)}
+        if have != want:
+            return True
+    return False
+
+
 def preset_file(cache: Path, preset: str, part: str) -> Path:
-    if part not in PARTS:
-        raise KeyError(f"unknown model part {part!r}; choose from {', '.join(PARTS)}")
+    if part not in preset_parts(preset):
+        parts = preset_parts(preset)
+        raise KeyError(f"unknown model part {part!r} for preset {preset}; choose from {', '.join(parts)}")
     return cache / preset_key(preset) / f"{part}.safetensors"

@@ -24,11 +24,14 @@ class HubFile:
 
 @dataclass
 class ModelConfig:
-    # flux_dev | flux_schnell | random | random_tiny (random presets are generated weights, never a real model)
+    # flux_dev | flux_schnell | chroma | random | random_tiny | random_chroma | random_chroma_tiny (random presets
+    # are generated weights, never a real model)
     name: str = MISSING
-    flux: str = MISSING  # FLUX transformer .safetensors (BFL or Diffusers layout)
+    # sd-scripts' --model_type: flux (FLUX.1) | chroma (T5 only: clip_l is null)
+    model_type: str = "flux"
+    flux: str = MISSING  # FLUX (or Chroma) transformer .safetensors (BFL or Diffusers layout)
     ae: str = MISSING  # autoencoder .safetensors
-    clip_l: str = MISSING  # CLIP-L text encoder .safetensors
+    clip_l: str | None = MISSING  # CLIP-L text encoder .safetensors; null for Chroma
     t5xxl: str = MISSING  # T5-XXL encoder .safetensors
     # random presets: the generated set's shape, written once into the model cache (random_tiny / random)
     random_preset: str | None = None

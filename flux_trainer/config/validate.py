@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flux_kernels.runtime.request import KERNEL_NAMES, parse_request
 from flux_trainer.config.errors import ConfigError
+from flux_trainer.config.random_specs import MODEL_TYPES, parts_for
 from flux_trainer.config.refusals import output_name_problem
 from flux_trainer.data.check import IMAGE_EXTENSIONS
 from flux_trainer.data.subsets import resolutions_of, subsets_of
@@ -365,8 +366,11 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
     if cfg.sample.prompts and cfg.sample.every_n_steps is None and cfg.sample.every_n_epochs is None:
         warnings.append("sample.prompts is set but neither sample.every_n_steps nor every_n_epochs: no samples")
 
-    if not cfg.model.get("random_preset"):
-        for part in ("flux", "ae", "clip_l", "t5xxl"):
+    model_type = cfg.model.get("model_type", "flux")
+    if model_type not in MODEL_TYPES:
+        problems.append(f"model.model_type={model_type}: unknown; choose {', '.join(MODEL_TYPES)}")
+    elif not cfg.model.get("random_preset"):
+        for part in parts_for(model_type):
             path = Path(str(cfg.model[part])).expanduser()
             if not path.is_file():
                 msg = f"model.{part}: {path} does not exist; run `flux-train setup --models` or set model.{part}=PATH"

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flux_trainer.config.random_specs import MODEL_TYPES, parts_for
 from flux_trainer.doctor.core import FAIL, PASS, WARN, CheckResult, one_line
 
 GROUP = "models"
@@ -213,7 +214,13 @@ def read_model(path: Path) -> ModelFile:
 
 
 def model_part_check(
-    part: str, path: str | Path, *, model_name: str = "", fp8_base: bool = False, random_preset: bool = False
+    part: str,
+    path: str | Path,
+    *,
+    model_name: str = "",
+    fp8_base: bool = False,
+    random_preset: bool = False,
+    model_type: str = "flux",
 ) -> CheckResult:
     """One row for model.<part>: fail if missing, unreadable, not whole, of another kind or in a layout sd-scripts
     cannot load; warn on a mismatch with the config that still trains (dev vs schnell, fp8 without fp8_base)."""
@@ -270,15 +277,15 @@ def model_part_check(
             data,
         )
     if part == "flux":
-        if info.variant == "chroma":
-            return CheckResult(
-                check,
-                FAIL,
-                f"{evidence}: a Chroma checkpoint; flux-train trains FLUX.1 dev/schnell",
-                f"set model.flux to a FLUX.1 file ({fix_path})",
-                GROUP,
-                data,
-            )
+        if (info.variant == "chroma") != (model_type == "chroma"):
+            if info.variant == "chroma":
+                say, fix = f"a Chroma checkpoint, but model={model_name} trains FLUX.1", "use model=chroma"
+            else:
+                say, fix = (
+                    f"a FLUX.1 {info.variant} checkpoint, but model={model_name} trains Chroma",
+                    (f"use model=flux_{info.variant}, or set model.flux to a Chroma file"),
+                )
+            return CheckResult(check, FAIL, f"{evidence}: {say}", fix, GROUP, data)
         named = model_name.removeprefix("flux_")
         if named in ("dev", "schnell") and info.variant != named:
             return CheckResult(
@@ -347,7 +354,8 @@ def model_checks(cfg, info=None) -> list[CheckResult]:
     model = cfg.model
     fp8 = effective_fp8_base(cfg, info)
     rows = []
-    for part in PARTS:
+    model_type = str(model.get("model_type", "flux"))
+    for part in parts_for(model_type) if model_type in MODEL_TYPES else PARTS:
         try:
             path = str(model[part])
         except Exception as e:  # noqa: BLE001 - an interpolation that does not resolve (missing env var ...)
@@ -368,6 +376,7 @@ def model_checks(cfg, info=None) -> list[CheckResult]:
                 model_name=str(model.name),
                 fp8_base=bool(fp8),
                 random_preset=bool(model.get("random_preset")),
+                model_type=model_type,
             )
         )
     return rows

@@ -31,7 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from flux_trainer.config.errors import ConfigError
-from flux_trainer.config.random_specs import PARTS, PRESETS, preset_file
+from flux_trainer.config.random_specs import PARTS, PRESETS, parts_for, preset_file, preset_parts
+from flux_trainer.config.random_specs import needs_custom_loader as spec_needs_custom_loader
 from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts, locate
 
 if TYPE_CHECKING:
@@ -73,8 +74,6 @@ T5_BASE: dict[str, Any] = {
     "eos_token_id": 1,
     "decoder_start_token_id": 0,
 }
-# FLUX fields sd-scripts does read from the checkpoint (block counts, dev vs schnell): they never need our loader.
-_FLUX_FROM_CHECKPOINT = ("depth", "depth_single_blocks", "guidance_embed")
 
 
 @dataclass(frozen=True)
@@ -122,16 +121,22 @@ def t5_config(shapes: dict[str, Any]) -> T5Config:
     return T5Config(**T5_BASE, **shapes, num_decoder_layers=shapes["num_layers"])
 
 
-def build_empty(mods: SdScriptsModules, part: str, shapes: dict[str, Any]) -> torch.nn.Module:
+def build_empty(mods: SdScriptsModules, part: str, shapes: dict[str, Any], model_type: str = "flux") -> torch.nn.Module:
     """The module of one part with its parameters on the meta device (no memory), buffers real.
 
-    FLUX and AE start from sd-scripts' FLUX.1-dev config and take the preset's values on top, so the fields a preset
-    does not name (theta, qkv_bias, AE scale/shift) are always sd-scripts' own."""
+    FLUX and AE start from sd-scripts' FLUX.1-dev config (Chroma from its `chroma_params`) and take the preset's
+    values on top, so the fields a preset does not name (theta, qkv_bias, AE scale/shift) are always sd-scripts'
+    own."""
+    import importlib
+
     from accelerate import init_empty_weights
     from transformers import CLIPTextModel, T5EncoderModel
 
     dev = mods.flux_models.configs["dev"]
     with init_empty_weights():
+        if part == "flux" and model_type == "chroma":
+            chroma = importlib.import_module("library.chroma_models")  # the checkout `mods` came from is on sys.path
+            return chroma.Chroma(dataclasses.replace(chroma.chroma_params, **shapes))
         if part == "flux":
             return mods.flux_models.Flux(dataclasses.replace(dev.params, **shapes))
         if part == "ae":
@@ -163,7 +168,9 @@ def plan_part(module: torch.nn.Module) -> list[TensorPlan]:
 
 def plan_preset(preset: str, mods: SdScriptsModules) -> dict[str, list[TensorPlan]]:
     """What `ensure_random_model` would write for each part (meta device only: cheap even for `full`)."""
-    return {part: plan_part(build_empty(mods, part, PRESETS[preset][part])) for part in PARTS}
+    model_type = PRESETS[preset].get("model_type", "flux")
+    shapes = PRESETS[preset]
+    return {part: plan_part(build_empty(mods, part, shapes[part], model_type)) for part in preset_parts(preset)}
 
 
 # ------------------------------------------------------------------------------------------------------ writing
@@ -228,8 +235,8 @@ def _part_is_current(path: Path, metadata: dict[str, str]) -> bool:
     return all(have.get(k) == metadata[k] for k in ("flux_trainer.preset", "flux_trainer.seed", "flux_trainer.part"))
 
 
-def _complete(folder: Path) -> bool:
-    return (folder / SPEC_FILE).is_file() and all((folder / f"{part}.safetensors").is_file() for part in PARTS)
+def _complete(folder: Path, parts: tuple[str, ...]) -> bool:
+    return (folder / SPEC_FILE).is_file() and all((folder / f"{part}.safetensors").is_file() for part in parts)
 
 
 def ensure_random_model(
@@ -241,13 +248,15 @@ def ensure_random_model(
     sd_scripts: str | None = None,
     log: Callable[[str], None] = _log.info,
 ) -> dict[str, Path]:
-    """The four part files of a random preset, generated on first use (on `device`: use a GPU for `full`, which is
-    ~34 GB of bf16) and reused afterwards. `seed` applies only when the files are generated. `sd_scripts` is the
-    checkout to use (else found as `locate` finds it); its commit is recorded in spec.json."""
-    paths = {part: preset_file(Path(cache), preset, part) for part in PARTS}
+    """The part files of a random preset (four, or three for Chroma: no CLIP-L), generated on first use (on
+    `device`: use a GPU for `full`, which is ~34 GB of bf16) and reused afterwards. `seed` applies only when the
+    files are generated. `sd_scripts` is the checkout to use (else found as `locate` finds it); its commit is
+    recorded in spec.json."""
+    parts = preset_parts(preset)
+    paths = {part: preset_file(Path(cache), preset, part) for part in parts}
     folder = paths["flux"].parent
     banner = f"RANDOM WEIGHTS (preset {preset}): for demos/tests/benchmarks, not a real model"
-    if _complete(folder):
+    if _complete(folder, parts):
         log(f"{banner}; using {folder}")
         return paths
 
@@ -255,7 +264,7 @@ def ensure_random_model(
     device = torch.device(device)
     plans = plan_preset(preset, mods)
     folder.mkdir(parents=True, exist_ok=True)
-    need = sum(p.nbytes for part in PARTS for p in plans[part] if not paths[part].is_file())
+    need = sum(p.nbytes for part in parts for p in plans[part] if not paths[part].is_file())
     free = shutil.disk_usage(folder).free
     if need > free:
         raise ConfigError(
@@ -263,7 +272,7 @@ def ensure_random_model(
             f"free space there or set the model cache (FLUX_TRAIN_MODEL_CACHE) to a larger disk"
         )
     log(f"{banner}; generating into {folder} on {device}")
-    for index, part in enumerate(PARTS):
+    for part in parts:
         metadata = {
             "format": "pt",
             "flux_trainer.random_weights": "true",
@@ -277,7 +286,7 @@ def ensure_random_model(
             log(f"random model {preset}: {part} already written, reusing {paths[part].name}")
             continue
         start = time.perf_counter()
-        write_part(paths[part], plans[part], device, seed * len(PARTS) + index, metadata)
+        write_part(paths[part], plans[part], device, seed * len(PARTS) + PARTS.index(part), metadata)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         n = sum(_numel(p.shape) for p in plans[part] if not p.alias_of)
@@ -292,7 +301,7 @@ def ensure_random_model(
 def spec_for(preset: str, seed: int, commit: str | None) -> dict[str, Any]:
     """spec.json: the preset's shapes (one entry per part) plus how and from which sd-scripts they were made."""
     made = {"preset": preset, "random_weights": True, "note": NOTE, "seed": seed, "sd_scripts_commit": commit}
-    return {**made, **PRESETS[preset]}
+    return {**made, **PRESETS[preset]}  # Chroma's also carry model_type
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -317,16 +326,9 @@ def is_random_model(flux_path: Path) -> bool:
 
 
 def needs_custom_loader(folder: Path) -> bool:
-    """True when the set's widths differ from FLUX.1-dev's, which sd-scripts' loaders hard-code (they read only
-    the block counts and dev/schnell from the checkpoint): then `load_random_models` must build the modules."""
-    spec = read_spec(folder)
-    full = PRESETS["full"]
-    for part in PARTS:
-        have = {k: v for k, v in spec[part].items() if not (part == "flux" and k in _FLUX_FROM_CHECKPOINT)}
-        want = {k: v for k, v in full[part].items() if not (part == "flux" and k in _FLUX_FROM_CHECKPOINT)}
-        if have != want:
-            return True
-    return False
+    """True when the set's widths differ from those sd-scripts' loaders hard-code (FLUX.1-dev's, or Chroma's):
+    then `load_random_models` must build the modules."""
+    return spec_needs_custom_loader(read_spec(folder))
 
 
 def load_random_models(
@@ -335,17 +337,19 @@ def load_random_models(
     device: str | torch.device = "cpu",
     *,
     sd_scripts: str | None = None,
-) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+) -> tuple[torch.nn.Module | None, torch.nn.Module, torch.nn.Module, torch.nn.Module]:
     """(clip_l, t5xxl, ae, flux) built from spec.json with sd-scripts' and transformers' classes, in eval mode:
     what the runner uses instead of sd-scripts' loaders when `needs_custom_loader` says they cannot read the set.
-    Every key must match (strict), so a stale or foreign file fails here, not as a shape error mid-training."""
+    Every key must match (strict), so a stale or foreign file fails here, not as a shape error mid-training.
+    clip_l is None for a Chroma set (the runner gives sd-scripts its dummy CLIP-L, as its own loader does)."""
     folder = Path(folder)
     spec = read_spec(folder)
     mods, _ = _sd_scripts(sd_scripts)
     device = torch.device(device)
-    models = {}
-    for part in PARTS:
-        module = build_empty(mods, part, spec[part]).to(weight_dtype)
+    model_type = spec.get("model_type", "flux")
+    models: dict[str, Any] = {"clip_l": None}
+    for part in parts_for(model_type):
+        module = build_empty(mods, part, spec[part], model_type).to(weight_dtype)
         sd = load_file(str(folder / f"{part}.safetensors"), device=str(device))
         sd = {k: v.to(weight_dtype) for k, v in sd.items()}
         module.load_state_dict(sd, strict=True, assign=True)

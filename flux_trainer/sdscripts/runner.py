@@ -116,7 +116,10 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
                 )
                 clip_l, t5xxl, ae, flux = load_random_models(Path(spec.random_model_dir), weight_dtype, "cpu")
                 self.is_swapping_blocks = False
-                result = (mods.flux_utils.MODEL_VERSION_FLUX_V1, [clip_l, t5xxl], ae, flux)
+                version = mods.flux_utils.MODEL_VERSION_FLUX_V1
+                if clip_l is None:  # Chroma: sd-scripts' own loader gives it the dummy CLIP-L too
+                    clip_l, version = mods.flux_utils.dummy_clip_l().eval(), mods.flux_utils.MODEL_VERSION_CHROMA
+                result = (version, [clip_l, t5xxl], ae, flux)
             else:
                 with threads.cpu_share("loading the base model"):
                     result = super().load_target_model(args, weight_dtype, accelerator)

@@ -102,10 +102,13 @@ def training_document(cfg: DictConfig, paths: RunPaths) -> Document:
         "Every key is checked against the pinned sd-scripts parser; edit the Hydra config, not this file."
     )
     m = doc.table("model")
+    chroma = cfg.model.get("model_type", "flux") == "chroma"
+    m.add("model_type", "chroma" if chroma else None, "Chroma: T5 only, sd-scripts gives it a dummy CLIP-L")
     m.add("pretrained_model_name_or_path", str(cfg.model.flux), f"FLUX transformer ({cfg.model.name})")
     m.add("ae", str(cfg.model.ae))
-    m.add("clip_l", str(cfg.model.clip_l))
+    m.add("clip_l", None if chroma else str(cfg.model.clip_l))
     m.add("t5xxl", str(cfg.model.t5xxl))
+    m.add("apply_t5_attn_mask", chroma or None, "Chroma's blocks read the caption's length from the T5 mask")
     m.add("t5xxl_max_token_length", cfg.model.t5xxl_max_token_length)
     m.add(
         "tokenizer_cache_dir", str(paths.tokenizer_dir) if paths.tokenizer_dir else None, "offline after the first run"
@@ -156,9 +159,11 @@ def training_document(cfg: DictConfig, paths: RunPaths) -> Document:
     t.add("max_train_epochs", cfg.train.max_epochs)
     t.add("gradient_accumulation_steps", int(cfg.train.gradient_accumulation_steps))
     t.add("seed", int(cfg.train.seed))
-    t.add("timestep_sampling", cfg.train.timestep_sampling, "resolution-dependent shift, as FLUX was trained")
+    shifted = cfg.train.timestep_sampling == "flux_shift"
+    t.add("timestep_sampling", cfg.train.timestep_sampling, "resolution-dependent shift, as FLUX was trained" * shifted)
     t.add("model_prediction_type", cfg.train.model_prediction_type, "the model's output is the flow target as is")
-    t.add("guidance_scale", float(cfg.train.guidance_scale), "1.0 for LoRA training on FLUX.1-dev")
+    why = "0.0: Chroma is not guidance-distilled" if chroma else "1.0 for LoRA training on FLUX.1-dev"
+    t.add("guidance_scale", float(cfg.train.guidance_scale), why)
     t.add("discrete_flow_shift", float(cfg.train.discrete_flow_shift))
     t.add("loss_type", cfg.train.loss_type)
     if any(s.is_reg for s in subsets_of(cfg.dataset)):

@@ -14,6 +14,9 @@ from torch import nn
 
 ATTR = "_flux_kernels"
 BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate", "attention", "single_qkv", "double_qkv")
+# kernels that work inside FLUX.1's double/single blocks: with none found (Chroma's blocks take their modulation as
+# an argument and trim the text per sample, another shape), `auto` skips them
+IN_BLOCKS = (*BLOCK_OPS, "fp8_matmul", "compile_blocks", "selective_checkpoint", "activation_offload", "block_swap")
 TRITON_BLOCK_OPS = ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate")  # fast.py's fused Triton ops
 DOUBLE_ATTRS = ("img_mod", "txt_mod", "img_norm1", "txt_norm1", "img_attn", "txt_attn", "img_norm2", "txt_norm2",
                 "img_mlp", "txt_mlp", "num_heads")  # fmt: skip

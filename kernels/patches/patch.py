@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from flux_kernels.ops import fast, reference
 from flux_kernels.patches import lora_fold
 from flux_kernels.patches.attention.backends import heads_to_tokens
-from flux_kernels.patches.blocks import ATTR, BLOCK_OPS, find_blocks
+from flux_kernels.patches.blocks import ATTR, BLOCK_OPS, IN_BLOCKS, find_blocks
 from flux_kernels.patches.single_qkv import double_qkv, single_qkv
 from flux_kernels.patches.verify import verify_blocks
 from flux_kernels.runtime.errors import KernelError
@@ -378,7 +378,12 @@ def apply_kernels(
         """auto's condition for `spec`, on the model as the kernels installed before it left it (fp8_matmul takes
         the layers lora_fold would fold)."""
         auto_if = getattr(spec, "auto_if", None)
-        if auto_if is None or insists(spec.name):
+        if insists(spec.name):
+            return True
+        if spec.name in IN_BLOCKS and not any(find_blocks(flux_model)):
+            log.info("kernel %s skipped: no FLUX.1 double/single blocks (Chroma's have another shape)", spec.name)
+            return False
+        if auto_if is None:
             return True
         ok, why = auto_if(flux_model)
         if not ok:

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from flux_trainer.config.errors import ConfigError
-from flux_trainer.config.random_specs import PARTS, PRESETS
+from flux_trainer.config.random_specs import PARTS, PRESETS, needs_custom_loader
 from flux_trainer.sdscripts import random_model as rm
 from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
 
@@ -240,3 +240,22 @@ def test_full_preset_builds_the_same_models_as_sd_scripts(mods, tmp_path):
 
     (tmp_path / "spec.json").write_text(json.dumps(rm.spec_for("full", 0, CHECKOUT.commit)))
     assert not rm.needs_custom_loader(tmp_path)
+
+
+def test_full_chroma_preset_is_what_sd_scripts_chroma_loader_expects(mods, monkeypatch):
+    """model=random_chroma (the GPU bench's) goes through sd-scripts' own loader, which builds chroma_params and
+    reads nothing from the file: every tensor it builds must be in ours, at its shape. No CLIP-L part at all."""
+    import importlib
+
+    chroma = importlib.import_module("library.chroma_models")
+    assert dataclasses.replace(chroma.chroma_params, **PRESETS["chroma"]["flux"]) == chroma.chroma_params
+    assert (PRESETS["chroma"]["ae"], PRESETS["chroma"]["t5xxl"]) == (PRESETS["full"]["ae"], PRESETS["full"]["t5xxl"])
+    plans = rm.plan_preset("chroma", mods)
+    assert sorted(plans) == ["ae", "flux", "t5xxl"]
+    fu = mods.flux_utils
+    monkeypatch.setattr(fu, "load_safetensors", lambda path, **kw: dict(_meta(plans["flux"])))
+    is_schnell, flux = fu.load_flow_model("flux.safetensors", None, "cpu", model_type="chroma")
+    assert not is_schnell and type(flux).__name__ == "Chroma"
+    _assert_loaded_from(flux, plans["flux"])
+    assert not needs_custom_loader(PRESETS["chroma"]) and needs_custom_loader(PRESETS["chroma_tiny"])
+    assert not needs_custom_loader(PRESETS["full"]) and needs_custom_loader(PRESETS["tiny"])

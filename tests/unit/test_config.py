@@ -33,7 +33,9 @@ def test_every_shipped_preset_composes_and_resolves(group, option, compose):
 
 def test_every_shipped_yaml_starts_with_the_command_that_uses_it():
     for path in shipped_config_dir().rglob("*.yaml"):
-        first = path.read_text().splitlines()[0]
+        lines = path.read_text().splitlines()
+        # Hydra reads a `# @package` header only above every other line (Chroma's models also set train.*)
+        first = lines[1] if lines[0].startswith("# @package ") else lines[0]
         assert first.startswith("# flux-train"), f"{path} does not start with its command"
 
 
@@ -190,3 +192,41 @@ def test_profile_options_reach_the_runner(compose):
     assert _profile_options(snapshot) == {"memory_snapshot_at": 4}
     (p,) = problems_of(compose("+dataset=mychar", "model=random_tiny", "logging.memory_snapshot_at=0"))
     assert "logging.memory_snapshot_at=0" in p and "at least 1" in p
+
+
+@pytest.mark.parametrize(
+    ("model", "preset"), [("chroma", None), ("random_chroma", "chroma"), ("random_chroma_tiny", "chroma_tiny")]
+)
+def test_chroma_models_compose_without_clip_l_and_with_chromas_settings(compose, model, preset):
+    """Chroma reads T5 alone: no CLIP-L file anywhere (nothing to download, generate or check), and sd-scripts'
+    recommended Chroma settings (guidance 0, sigmoid timesteps) unless overridden."""
+    from flux_trainer.config.random_specs import preset_parts
+
+    cfg = compose("+dataset=mychar", f"model={model}")
+    assert (cfg.model.model_type, cfg.model.clip_l, cfg.model.get("random_preset")) == ("chroma", None, preset)
+    assert (cfg.train.guidance_scale, cfg.train.timestep_sampling) == (0.0, "sigmoid")
+    if preset:
+        assert preset_parts(preset) == ("flux", "ae", "t5xxl")
+        assert f"random-{preset}-" in cfg.model.flux and validate(cfg) == []
+    assert compose("+dataset=mychar", f"model={model}", "train.guidance_scale=1").train.guidance_scale == 1.0
+    assert compose("+dataset=mychar").train.guidance_scale == 1.0  # FLUX.1's own default is untouched
+
+
+def test_an_unknown_model_type_is_refused(compose):
+    (p,) = problems_of(compose("+dataset=mychar", "model=random_tiny", "model.model_type=sd3"))
+    assert "model.model_type=sd3" in p and "flux, chroma" in p
+
+
+def test_only_the_narrow_random_presets_need_flux_trains_own_loader():
+    """sd-scripts' loaders hard-code the full widths (FLUX.1-dev's, Chroma's): the full presets go through them."""
+    from flux_trainer.app import _custom_loader
+    from flux_trainer.config.random_specs import PRESETS, needs_custom_loader
+
+    assert [p for p in PRESETS if needs_custom_loader(PRESETS[p])] == ["tiny", "chroma_tiny"]
+    assert [_custom_loader(p) for p in (None, "full", "tiny", "chroma", "chroma_tiny")] == [
+        False,
+        False,
+        True,
+        False,
+        True,
+    ]

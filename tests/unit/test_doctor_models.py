@@ -253,3 +253,29 @@ def test_fp8_base_follows_the_memory_tier_auto_picks_for_the_card(compose):
     assert doctor_models.effective_fp8_base(compose("precision=fp8_base"), card(139.8)) is True
     assert doctor_models.effective_fp8_base(compose("memory=vram48"), card(15.6)) is True  # an explicit tier stays
     assert doctor_models.effective_fp8_base(compose("memory=vram48", "memory.fp8_base=false"), card(15.6)) is False
+
+
+def chroma_bfl():
+    """Chroma's layout: FLUX.1 blocks without their modulation weights, and the distilled guidance layer."""
+    flux = flux_bfl(dev=False).items()
+    sd = {k: v for k, v in flux if "modulation" not in k and not k.startswith(("time_in", "vector_in"))}
+    sd["distilled_guidance_layer.in_proj.weight"] = t()
+    sd["distilled_guidance_layer.layers.0.in_layer.weight"] = t()
+    return sd
+
+
+def test_a_chroma_checkpoint_given_to_a_flux_model_names_the_chroma_preset(write):
+    path = write("chroma", chroma_bfl())
+    assert kind_of(path).variant == "chroma"
+    row = model_part_check("flux", path, model_name="flux_dev")
+    assert row.status == "fail" and "a Chroma checkpoint" in row.evidence and row.fix == "use model=chroma"
+    assert model_part_check("flux", path, model_name="chroma", model_type="chroma").status == "pass"
+    row = model_part_check("flux", write("dev", flux_bfl()), model_name="chroma", model_type="chroma")
+    assert row.status == "fail" and "model=flux_dev" in row.fix
+
+
+def test_model_checks_of_chroma_skip_clip_l(compose, write):
+    paths = {"flux": write("f", chroma_bfl()), "ae": write("a", ae_bfl()), "t5xxl": write("t", t5())}
+    rows = doctor_models.model_checks(compose("model=chroma", *(f"model.{p}={v}" for p, v in paths.items())))
+    assert [r.check for r in rows] == ["model: flux", "model: ae", "model: t5xxl"]
+    assert all(r.status == "pass" for r in rows), [r.evidence for r in rows]

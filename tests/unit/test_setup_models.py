@@ -260,7 +260,7 @@ def test_random_presets_refuse_before_anything_else(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(setup_cmd, "setup_sd_scripts", lambda *a, **k: pytest.fail("cloned before refusing"))
-    for preset in ("random", "random_tiny"):
+    for preset in ("random", "random_tiny", "random_chroma", "random_chroma_tiny"):
         with pytest.raises(ConfigError, match=f"model={preset} is random weights .* nothing to download"):
             setup_cmd.setup(models=True, overrides=[f"model={preset}"])
 
@@ -274,3 +274,17 @@ def test_every_missing_hub_entry_is_reported_at_once(tmp_path, monkeypatch):
         plan_downloads(cfg)
     assert [p.split(":")[0] for p in info.value.problems] == ["model.flux", "model.clip_l"]
     assert "model.hub.flux.repo_id=OWNER/NAME" in info.value.problems[0]
+
+
+def test_chroma_downloads_three_files_and_no_clip_l(tmp_path, monkeypatch):
+    from flux_trainer.commands.setup import plan_downloads
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLUX_TRAIN_MODEL_DIR", str(tmp_path / "models"))
+    todo, present = plan_downloads(compose_run(["model=chroma"], []))
+    assert present == {}
+    assert [(f.part, f.repo_id, f.target.name) for f in todo] == [
+        ("flux", "lodestones/Chroma1-Base", "Chroma1-Base.safetensors"),
+        ("ae", "black-forest-labs/FLUX.1-schnell", "ae.safetensors"),
+        ("t5xxl", "comfyanonymous/flux_text_encoders", "t5xxl_fp16.safetensors"),
+    ]

@@ -19,6 +19,7 @@ CASES = {
     "rank32_adamw_2000": ["network.rank=32", "optimizer=adamw", "train.max_steps=2000"],
     "fp8_vram16": ["precision=fp8_base", "memory=vram16"],
     "lokr": ["network=lokr"],
+    "chroma": ["model=chroma"],
     "adafactor_samples": ["optimizer=adafactor", "sample.prompts=[ohwx smiling]", "sample.every_n_steps=100"],
     "validation_huber": [
         "dataset.validation_split=0.1",
