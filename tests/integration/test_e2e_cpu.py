@@ -4,24 +4,14 @@ path as `flux-train` (Hydra composition, translation, run dir, accelerate launch
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from flux_trainer.config import ConfigError
-from flux_trainer.sdscripts.checkout import locate
+from tests.integration.tiny_run import cli, fresh_env, need_checkout, tiny_dataset
 
 pytestmark = pytest.mark.sd_scripts
-
-try:
-    CHECKOUT = locate()
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    CHECKOUT, WHY = None, str(exc)
-else:
-    WHY = ""
 
 
 def losses(run_dir) -> list[float]:
@@ -33,27 +23,13 @@ def losses(run_dir) -> list[float]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    if CHECKOUT is None:
-        pytest.skip(f"needs an sd-scripts checkout: {WHY}")
-    from PIL import Image
-
+    need_checkout()
     work = tmp_path_factory.mktemp("e2e")
-    images = work / "pics"
-    images.mkdir()
-    for i in range(4):
-        Image.new("RGB", (128, 128), (50 * i, 90, 160)).save(images / f"im{i}.png")
-        (images / f"im{i}.txt").write_text(f"a flat colour square number {i}")
-    (work / "configs" / "dataset").mkdir(parents=True)
-    (work / "configs" / "dataset" / "tiny.yaml").write_text(
-        f"name: tiny\nimages: {images}\nresolution: 128\nrepeats: 1\nmin_bucket_reso: 64\nmax_bucket_reso: 256\n"
-    )
-    # no tokenizer folder configured: random presets use the packaged stand-ins, so nothing is downloaded
-    env = {k: v for k, v in os.environ.items() if k != "FLUX_TRAIN_TOKENIZER_DIR"}
-    env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
-    # a cache folder of its own (the random model, the base model's sha256...), as on a fresh machine
-    env.update(FLUX_TRAIN_CACHE=str(work / "cache"), FLUX_TRAIN_SD_SCRIPTS=str(CHECKOUT.path))
-    cmd = [
-        shutil.which("flux-train") or sys.executable,
+    tiny_dataset(work)
+    # no tokenizer folder configured: random presets use the packaged stand-ins, so nothing is downloaded; a cache
+    # folder of its own (the random model, the base model's sha256...), as on a fresh machine
+    env = fresh_env(work)
+    cmd = cli(
         "+dataset=tiny",
         "model=random_tiny",
         "train.max_steps=2",
@@ -67,9 +43,7 @@ def trained(tmp_path_factory):
         "sample.height=64",
         "logging.profile_at=2",  # the run ends inside the 3-step window: the profile closes with the 1 step it saw
         "logging.memory_snapshot_at=1",  # a CPU run: says so, records nothing
-    ]
-    if not shutil.which("flux-train"):
-        cmd = [sys.executable, "-m", "flux_trainer.cli", *cmd[1:]]
+    )
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     runs = sorted((work / "runs" / "tiny").glob("*"))
 

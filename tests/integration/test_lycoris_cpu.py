@@ -5,25 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-from flux_trainer.config import ConfigError
 from flux_trainer.config.validate import LYCORIS
-from flux_trainer.sdscripts.checkout import locate
+from tests.integration.tiny_run import flux_train, need_checkout, tiny_dataset
 
 pytestmark = pytest.mark.sd_scripts
-
-try:
-    CHECKOUT = locate()
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    CHECKOUT, WHY = None, str(exc)
-else:
-    WHY = ""
 
 # what each algorithm's modules save (lycoris/modules/lokr.py, loha.py; LoKr's w2 is `lokr_w2` or the pair
 # `lokr_w2_a`/`_b` by layer size); lora_flux's are lora_up / lora_down
@@ -34,30 +22,14 @@ ZERO_AT_START = {"lokr": (".lokr_w2", ".lokr_w2_b"), "loha": (".hada_w2_a",)}
 
 @pytest.mark.parametrize("algo", ["lokr", "loha"])
 def test_lycoris_network_trains_tiny_flux_and_names_its_algorithm(algo, tmp_path):
-    if CHECKOUT is None:
-        pytest.skip(f"needs an sd-scripts checkout: {WHY}")
+    need_checkout()
     if importlib.util.find_spec("lycoris") is None:
         pytest.skip(f"needs LyCORIS: pip install {LYCORIS}")
-    from PIL import Image
     from safetensors import safe_open
 
-    images = tmp_path / "pics"
-    images.mkdir()
-    for i in range(2):
-        Image.new("RGB", (128, 128), (90 * i, 90, 160)).save(images / f"im{i}.png")
-        (images / f"im{i}.txt").write_text(f"a flat colour square number {i}")
-    (tmp_path / "configs" / "dataset").mkdir(parents=True)
-    (tmp_path / "configs" / "dataset" / "tiny.yaml").write_text(
-        f"name: tiny\nimages: {images}\nresolution: 128\nrepeats: 1\nmin_bucket_reso: 64\nmax_bucket_reso: 256\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "FLUX_TRAIN_TOKENIZER_DIR"}
-    env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
-    env.update(FLUX_TRAIN_CACHE=str(tmp_path / "cache"), FLUX_TRAIN_SD_SCRIPTS=str(CHECKOUT.path))
-    args = ["+dataset=tiny", "model=random_tiny", "memory=cpu", f"network={algo}", "train.max_steps=2"]
-    args += ["train.data_loader_workers=0"]
-    cli = shutil.which("flux-train")
-    cmd = [cli, *args] if cli else [sys.executable, "-m", "flux_trainer.cli", *args]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    tiny_dataset(tmp_path, n=2)
+    proc = flux_train(tmp_path, "+dataset=tiny", "model=random_tiny", "memory=cpu", f"network={algo}",
+                      "train.max_steps=2", "train.data_loader_workers=0")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     (lora,) = (tmp_path / "runs" / "tiny").glob("*/tiny.safetensors")

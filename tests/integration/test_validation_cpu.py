@@ -7,66 +7,28 @@ validator."""
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import tomli
 
 from flux_trainer.cli import main
-from flux_trainer.config import ConfigError
 from flux_trainer.sdscripts import live_check
-from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
+from flux_trainer.sdscripts.checkout import import_sd_scripts
+from tests.integration.tiny_run import CHECKOUT, flux_train, need_checkout, newest_run, tiny_dataset
 from tests.unit.test_cli import run_dirs
 
 pytestmark = pytest.mark.sd_scripts
 
-try:
-    CHECKOUT = locate()
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    CHECKOUT, WHY = None, str(exc)
-else:
-    WHY = ""
-
 
 @pytest.fixture(scope="module")
 def validated(tmp_path_factory):
-    if CHECKOUT is None:
-        pytest.skip(f"needs an sd-scripts checkout: {WHY}")
-    from PIL import Image
-
+    need_checkout()
     work = tmp_path_factory.mktemp("val")
-    images = work / "pics"
-    images.mkdir()
-    for i in range(4):
-        Image.new("RGB", (128, 128), (50 * i, 90, 160)).save(images / f"im{i}.png")
-        (images / f"im{i}.txt").write_text(f"a flat colour square number {i}")
-    (work / "configs" / "dataset").mkdir(parents=True)
-    (work / "configs" / "dataset" / "tiny.yaml").write_text(
-        f"name: tiny\nimages: {images}\nresolution: 128\nrepeats: 1\nmin_bucket_reso: 64\nmax_bucket_reso: 256\n"
-        "validation_split: 0.25\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "FLUX_TRAIN_TOKENIZER_DIR"}
-    env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
-    env.update(FLUX_TRAIN_CACHE=str(work / "cache"), FLUX_TRAIN_SD_SCRIPTS=str(CHECKOUT.path))
-    cmd = [
-        shutil.which("flux-train") or sys.executable,
-        "+dataset=tiny",
-        "model=random_tiny",
-        "train.max_steps=4",
-        "train.save_every_n_steps=null",
-        "train.data_loader_workers=0",
-        "train.validate_every_n_steps=2",
-        "memory=cpu",
-    ]
-    if not shutil.which("flux-train"):
-        cmd = [sys.executable, "-m", "flux_trainer.cli", *cmd[1:]]
-    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
-    runs = sorted((work / "runs" / "tiny").glob("*"))
-    return SimpleNamespace(proc=proc, run_dir=runs[-1] if runs else None, root=work / "runs")
+    tiny_dataset(work, extra="validation_split: 0.25\n")
+    proc = flux_train(work, "+dataset=tiny", "model=random_tiny", "train.max_steps=4", "train.save_every_n_steps=null",
+                      "train.data_loader_workers=0", "train.validate_every_n_steps=2", "memory=cpu")  # fmt: skip
+    return SimpleNamespace(proc=proc, run_dir=newest_run(work), root=work / "runs")
 
 
 def scalars_by_run(run_dir) -> dict:
@@ -116,8 +78,7 @@ def test_runs_shows_the_last_validation_loss(validated, capsys):
 
 
 def test_the_new_keys_pass_sd_scripts_parser_and_dataset_validator(workdir):
-    if CHECKOUT is None:
-        pytest.skip(f"needs an sd-scripts checkout: {WHY}")
+    need_checkout()
     args = ["+dataset=mychar", "model=random_tiny", "dry_run=true", "dataset.validation_split=0.34"]
     args += ["train.validate_every_n_steps=10", "train.max_validation_steps=2", "train.validation_seed=3"]
     args += ["train.loss_type=huber", "train.huber_c=0.2", "train.huber_schedule=exponential"]
