@@ -74,15 +74,9 @@ PRESETS: dict[str, dict] = {
 }
 PRESETS["chroma"] = {
     "model_type": "chroma",
-    "flux": {
-        "hidden_size": 3072,
-        "num_heads": 24,
-        "mlp_ratio": 4.0,
-        "depth": 19,
-        "depth_single_blocks": 38,
-        "in_channels": 64,
-        "context_in_dim": 4096,
-        "axes_dim": [16, 56, 56],
+    "flux": {  # FLUX.1's transformer shapes without the CLIP-L vector and the guidance embedding
+        **{k: PRESETS["full"]["flux"][k] for k in ("hidden_size", "num_heads", "mlp_ratio", "depth")},
+        **{k: PRESETS["full"]["flux"][k] for k in ("depth_single_blocks", "in_channels", "context_in_dim", "axes_dim")},
         "approximator_in_dim": 64,
         "approximator_depth": 5,
         "approximator_hidden_size": 5120,

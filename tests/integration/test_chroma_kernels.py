@@ -12,18 +12,11 @@ import logging
 import pytest
 import torch
 
-from flux_trainer.config import ConfigError
 from flux_trainer.config.random_specs import PRESETS
-from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
+from flux_trainer.sdscripts.checkout import import_sd_scripts
+from tests.integration.tiny_run import CHECKOUT, WHY
 
 pytestmark = pytest.mark.sd_scripts
-
-try:
-    CHECKOUT = locate()
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    CHECKOUT, WHY = None, str(exc)
-else:
-    WHY = ""
 
 
 @pytest.fixture(scope="module")

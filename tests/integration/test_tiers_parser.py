@@ -7,19 +7,13 @@ import pytest
 import tomli
 
 from flux_trainer.cli import main
-from flux_trainer.config import ConfigError
 from flux_trainer.sdscripts import live_check
-from flux_trainer.sdscripts.checkout import import_sd_scripts, locate
+from flux_trainer.sdscripts.checkout import import_sd_scripts
+from tests.integration.tiny_run import CHECKOUT, WHY
 from tests.unit.test_cli import run_dirs
 
 pytestmark = pytest.mark.sd_scripts
 
-try:
-    CHECKOUT = locate()
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    CHECKOUT, WHY = None, str(exc)
-else:
-    WHY = ""
 
 # each tier with a card it is for (the full-size random model: sd-scripts reads FLUX.1's block counts)
 TIER_CARDS = [
