@@ -20,17 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from flux_trainer.config import ConfigError
-from flux_trainer.sdscripts.checkout import locate
+from tests.integration.tiny_run import CHECKOUT, WHY
 
 pytestmark = pytest.mark.sd_scripts
-
-try:
-    CHECKOUT = locate()
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    CHECKOUT, WHY = None, str(exc)
-else:
-    WHY = ""
 
 STEPS = 16
 
