@@ -68,7 +68,10 @@ def preflight(
     tree = refusals.schema_keys(RunConfig)
     if unknown := refusals.unknown_added_keys(cfg, RunConfig):
         raise ConfigError([refusals.unknown_key_message(k, tree) for k in unknown])
-    if missing := sorted(OmegaConf.missing_keys(cfg)):
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if cfg.dataset.get("images") is None and not cfg.dataset.get("subsets"):  # neither form of dataset: its folder
+        missing.append("dataset.images")
+    if missing:
         option = refusals.chosen_groups(overrides).get("dataset")
         files = [d / "dataset" / f"{option}.yaml" for d in search_dirs if option]
         raise ConfigError(refusals.missing_keys_message(missing, next((f for f in files if f.is_file()), None)))

@@ -168,7 +168,7 @@ def missing_keys_message(missing: list[str], dataset_file: Path | None) -> str:
     parts = []
     if dataset:
         where = f" in {dataset_file}" if dataset_file else ""
-        fixes = {"images": "images: /path/to/your/images", "name": "name: mychar"}
+        fixes = {"images": "images: /path/to/your/images (or subsets: a list of folders)", "name": "name: mychar"}
         example = "; ".join(fixes.get(k, f"{k}: VALUE") for k in dataset)
         parts.append(f"the dataset file is missing {', '.join(dataset)}{where}: add {example}")
     if other:

@@ -94,10 +94,12 @@ def test_each_bad_key_is_refused_in_one_line_exit_2_nothing_written(fields, args
 
 
 def test_a_dataset_without_images_or_subsets_is_refused(workdir, capsys):
-    (workdir / "configs" / "dataset" / "none.yaml").write_text("name: none\n")
+    path = workdir / "configs" / "dataset" / "none.yaml"
+    path.write_text("name: none\n")
     assert main(["+dataset=none", "dry_run=true"]) == 2
     err = capsys.readouterr().err
-    assert "dataset 'none' has no images: add images:" in err and err.strip().count("\n") == 0
+    assert f"the dataset file is missing images in {path}: add images:" in err and "subsets:" in err
+    assert err.strip().count("\n") == 0
 
 
 def test_every_folder_is_checked_at_launch_and_nothing_is_staged_before_all_pass(workdir, capsys):
