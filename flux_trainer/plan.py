@@ -102,17 +102,15 @@ def resolve(cfg: DictConfig, info, *, search_dirs: list[Path] | None = None) -> 
     return plan
 
 
-def planned_device(cfg: DictConfig, detected):
-    """The card a run is planned for, and the line saying so (None with hardware=auto): `hardware=NAME` names a card
-    (configs/hardware/NAME.yaml). On that card, the detected one (its own torch build, count); elsewhere with
-    dry_run=true, the named card as if detected, so the run dir is the one that card would run; a real run on
-    another card is refused, naming both."""
-    from flux_trainer.launch.device import is_card, named_device
+def named_card(cfg: DictConfig, detected):
+    """The card `hardware=NAME` describes (configs/hardware/NAME.yaml) as if detected, with launcher.gpus of them;
+    None with hardware=auto. ConfigError for a file that does not describe a card."""
+    from flux_trainer.launch.device import named_device
 
     hw = cfg.hardware
     name = str(hw.get("name", "auto"))
     if name == "auto":
-        return detected, None
+        return None
     missing = [key for key in ("card", "capability", "vram_gib") if hw.get(key) is None]
     if missing:
         raise ConfigError(f"hardware={name}: its config names no {', '.join(missing)} (see configs/hardware/h100.yaml)")
@@ -120,10 +118,24 @@ def planned_device(cfg: DictConfig, detected):
     if len(capability) != 2 or not all(isinstance(v, int) and v >= 0 for v in capability):
         raise ConfigError(f"hardware={name}: capability={capability}: give [major, minor], e.g. [8, 9]")
     gpus = str(cfg.launcher.gpus)
-    named = named_device(
+    return named_device(
         name, str(hw.card), (capability[0], capability[1]), float(hw.vram_gib), int(gpus) if gpus.isdigit() else 1,
         detected,
     )  # fmt: skip
+
+
+def planned_device(cfg: DictConfig, detected):
+    """The card a run is planned for, and the line saying so (None with hardware=auto): `hardware=NAME` names a card
+    (configs/hardware/NAME.yaml). On that card, the detected one (its own torch build, count); elsewhere with
+    dry_run=true, the named card as if detected, so the run dir is the one that card would run; a real run on
+    another card is refused, naming both."""
+    from flux_trainer.launch.device import is_card
+
+    hw = cfg.hardware
+    name = str(hw.get("name", "auto"))
+    named = named_card(cfg, detected)
+    if named is None:
+        return detected, None
     if is_card(named, hw.get("match"), detected):
         return detected, f"hardware={name}: this machine's {detected.describe()} is that card"
     if cfg.dry_run:

@@ -105,25 +105,20 @@ def config_check(cfg: DictConfig, info: DeviceInfo, search_dirs: list[Path] | No
     )
 
 
-def named_card(cfg: DictConfig, here: DeviceInfo) -> DeviceInfo | None:
-    """The card `hardware=NAME` names (None with hardware=auto, or a config that does not describe a card)."""
-    from flux_trainer.launch.device import named_device
-
-    hw = cfg.hardware
-    if str(hw.get("name", "auto")) == "auto" or None in (hw.get("card"), hw.get("capability"), hw.get("vram_gib")):
-        return None
-    capability = list(hw.capability)
-    return named_device(str(hw.name), str(hw.card), (int(capability[0]), int(capability[1])), float(hw.vram_gib), 1,
-                        here)  # fmt: skip
-
-
-def named_card_check(cfg: DictConfig, named: DeviceInfo) -> CheckResult:
+def named_card_check(cfg: DictConfig, here: DeviceInfo) -> CheckResult:
+    """The card `hardware=NAME` names: the tier memory=auto would pick there and the kernels it would get."""
     from flux_trainer.config.tiers import tier_for_vram
     from flux_trainer.doctor.gpu import kernels_for_card
+    from flux_trainer.plan import named_card
 
+    check = f"hardware={cfg.hardware.name}"
+    try:
+        named = named_card(cfg, here)
+    except ConfigError as e:
+        return CheckResult(check, FAIL, str(e), "name the card's card, capability and vram_gib", "gpu")
     row = kernels_for_card(named)
     tier = tier_for_vram(named.vram_gib)
-    return CheckResult(f"hardware={cfg.hardware.name}", row.status, f"memory=auto would pick {tier}; {row.evidence}",
+    return CheckResult(check, row.status, f"memory=auto would pick {tier}; {row.evidence}",
                        row.fix, "gpu", {**row.data, "tier": tier})  # fmt: skip
 
 
@@ -146,8 +141,8 @@ def run_doctor(
     rest = [r for r in fast if r.group != "gpu"]
     rows = gpu + _guard("gpu kernels", "gpu", lambda: doctor_gpu.runtime_checks(info))
     rows += _guard("attention", "attention", lambda: doctor_attention.attention_and_kernel_checks(info))
-    if (named := named_card(cfg, info)) is not None:  # hardware=NAME: what a run on that card would get
-        rows += _guard("named card", "gpu", lambda: named_card_check(cfg, named))
+    if str(cfg.hardware.get("name", "auto")) != "auto":  # hardware=NAME: what a run on that card would get
+        rows += _guard("named card", "gpu", lambda: named_card_check(cfg, info))
     rows += rest
     rows += _guard("config", "config", lambda: config_check(cfg, info, search_dirs))
     if speed:
