@@ -94,7 +94,7 @@ def case_cards(overrides: list[str], visible: str | None = None) -> list[int] | 
     """NVML indices of the cards a case trains on: accelerate gives its N processes (`launcher.gpus=N`, default 1)
     the first N visible GPUs, which CUDA_VISIBLE_DEVICES (`visible`, else the environment's) may name by index;
     None for every visible card (`launcher.gpus=all`)."""
-    gpus = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("launcher.gpus=")), "1")
+    gpus = _override(overrides, "launcher.gpus") or "1"
     if visible is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     named = [v.strip() for v in visible.split(",")] if visible else []
@@ -441,10 +441,8 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
         return float(vram_cap)
     from flux_trainer.config.validate import tier_gib
 
-    for o in overrides:
-        if o.startswith("memory=vram"):
-            return tier_gib(o.removeprefix("memory=")) - DISPLAY_HEADROOM_GIB
-    return None
+    tier = _override(overrides, "memory") or ""
+    return tier_gib(tier) - DISPLAY_HEADROOM_GIB if tier.startswith("vram") else None
 
 
 # What each tier is meant to reach (H200 at the tier's cap, 1024², LoRA r16, batch 1): s/step, and the least speed-up
