@@ -80,22 +80,26 @@ def stage(
     caption_extension: str = ".txt",
     te_key: str = "",
     latents_key: str = "",
+    masks: dict[str, Path] | None = None,
 ) -> Path:
     """The staged folder for `check`'s usable images, up to date. `te_key`: what shapes the text-encoder outputs
     (the text encoders' files, the trigger word, caption options); `latents_key`: what shapes the latents (the AE's
-    file): when one changes, every cache of that kind is dropped."""
+    file): when one changes, every cache of that kind is dropped. `masks` (image name -> mask file, from
+    data.masks): those images are staged as PNGs with the mask as their alpha channel."""
     staged = staged_dir(cache_dir, name, check.folder)
     staged.mkdir(parents=True, exist_ok=True)
     lock = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two runs of one dataset stage it one after the other
-        _stage_locked(check, staged, caption_extension, te_key, latents_key)
+        _stage_locked(check, staged, caption_extension, te_key, latents_key, masks or {})
     finally:
         os.close(lock)
     return staged
 
 
-def _stage_locked(check: FolderCheck, staged: Path, caption_extension: str, te_key: str, latents_key: str) -> None:
+def _stage_locked(
+    check: FolderCheck, staged: Path, caption_extension: str, te_key: str, latents_key: str, masks: dict[str, Path]
+) -> None:
     manifest_path = staged / MANIFEST
     try:
         before = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -110,13 +114,24 @@ def _stage_locked(check: FolderCheck, staged: Path, caption_extension: str, te_k
         result = check.images[image]
         stem = os.path.splitext(image)[0]
         entry = {"image": _key(source), "orientation": result.orientation}
+        mask = masks.get(image)
+        if mask is not None:  # staged as a PNG with the mask as alpha (data.masks), under the image's stem
+            entry.update(mask=f"{mask}:{_key(mask)}", staged=stem + ".png")
         previous = old.get(image, {})
-        target = staged / image
+        target = staged / entry.get("staged", image)
+        if previous.get("staged", image) != entry.get("staged", image):  # masked now, or no longer: the old file goes
+            with contextlib.suppress(FileNotFoundError):
+                (staged / previous.get("staged", image)).unlink()
         if previous.get("image") != entry["image"] or previous.get("orientation") != entry["orientation"]:
             _drop_caches(staged, stem, ("latents", "te"))
-        elif latents_changed:
+        elif latents_changed or previous.get("mask") != entry.get("mask"):
             _drop_caches(staged, stem, ("latents",))
-        if result.orientation == 1:
+        if mask is not None:
+            if previous.get("image") != entry["image"] or previous.get("mask") != entry["mask"] or not target.is_file():
+                from flux_trainer.data.masks import write_masked
+
+                write_masked(source, mask, target)
+        elif result.orientation == 1:
             _link(source, target)
         elif previous.get("image") != entry["image"] or target.is_symlink() or not target.exists():
             _upright(source, target)
@@ -137,7 +152,7 @@ def _stage_locked(check: FolderCheck, staged: Path, caption_extension: str, te_k
         now[image] = entry
     for image in set(old) - set(now):  # gone from the user's folder (or now unusable): gone from the stage
         stem = os.path.splitext(image)[0]
-        for path in (staged / image, staged / (stem + caption_extension)):
+        for path in (staged / old[image].get("staged", image), staged / (stem + caption_extension)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         _drop_caches(staged, stem, ("latents", "te"))
@@ -206,6 +221,21 @@ def _refuse_bad_files(dataset: Any, check: Any, trigger: str | None) -> None:
         raise ConfigError(_uncaptioned_line(dataset, uncaptioned, len(check.usable())))
     if not check.usable():
         raise ConfigError(f"dataset '{dataset.name}': {check.folder} has no images ({' '.join(IMAGE_EXTENSIONS)})")
+    if bucketed := _bucket_problems(dataset, check):
+        raise ConfigError(bucketed)
+
+
+def _bucket_problems(dataset: Any, check: Any) -> list[str]:
+    """The images sd-scripts' buckets cannot place at each of the dataset's resolutions (data.buckets)."""
+    from flux_trainer.data.buckets import bucket_problem
+    from flux_trainer.data.subsets import resolutions_of
+
+    if not (dataset.get("enable_bucket", True) and dataset.get("bucket_no_upscale", True)):
+        return []
+    sizes = {n: (r.width, r.height) for n, r in check.images.items() if r.problem is None}
+    where = f"dataset '{dataset.name}' ({check.folder})"
+    found = (bucket_problem(sizes, int(res), where) for res in resolutions_of(dataset))
+    return [line for line in found if line]
 
 
 def _stage_keys(dataset: Any, model: Any, trigger: str | None, alpha_mask: bool = False) -> tuple[str, str]:
