@@ -7,16 +7,23 @@ import hashlib
 import json
 from pathlib import Path
 
-PARTS = ("flux", "ae", "clip_l", "t5xxl")
-# sd-scripts' --model_type: FLUX.1 reads all four parts; Chroma has no CLIP-L (sd-scripts feeds it a dummy)
-MODEL_TYPES = ("flux", "chroma")
+PARTS = ("flux", "ae", "clip_l", "t5xxl")  # FLUX.1's files
+# the files each model_type reads: Chroma has no CLIP-L (sd-scripts feeds it a dummy); FLUX.2 one text encoder (Qwen3
+# for klein, Mistral 3 for dev; `text_encoder`); FLUX.1 Kontext FLUX.1's four
+PARTS_BY_TYPE: dict[str, tuple[str, ...]] = {
+    "flux": PARTS,
+    "chroma": ("flux", "ae", "t5xxl"),
+    "flux2": ("flux", "ae", "text_encoder"),
+    "kontext": PARTS,
+}
+MODEL_TYPES = tuple(PARTS_BY_TYPE)
 
 
 def parts_for(model_type: str) -> tuple[str, ...]:
-    """The model files a model type reads: Chroma is conditioned on T5 alone."""
-    if model_type not in MODEL_TYPES:
+    """The model files a model type reads."""
+    if model_type not in PARTS_BY_TYPE:
         raise KeyError(f"unknown model_type {model_type!r}; choose from {', '.join(MODEL_TYPES)}")
-    return PARTS if model_type == "flux" else tuple(p for p in PARTS if p != "clip_l")
+    return PARTS_BY_TYPE[model_type]
 
 
 # full: FLUX.1-dev shapes exactly; tiny: narrow widths and 1 double + 1 single block, for CPU runs. chroma and
@@ -97,6 +104,17 @@ PRESETS["chroma_tiny"] = {
     "ae": PRESETS["tiny"]["ae"],
     "t5xxl": PRESETS["tiny"]["t5xxl"],
 }
+# FLUX.2 klein and FLUX.1 Kontext random sets, trained through musubi-tuner: its own loaders read them at any width,
+# and flux_trainer.musubi.random_model writes them (their shapes live there). Named here so the config layer can name
+# their files; `shapes` is the version of that module's shapes, part of the folder's name.
+MUSUBI_PRESETS = {
+    "flux2_klein_tiny": "flux2",
+    "flux2_klein_4b": "flux2",
+    "kontext_tiny": "kontext",
+    "kontext": "kontext",
+}
+for _name, _type in MUSUBI_PRESETS.items():
+    PRESETS[_name] = {"model_type": _type, "generated_by": "flux_trainer.musubi.random_model", "shapes": 1}
 # FLUX fields sd-scripts does read from the checkpoint (block counts, dev vs schnell): they never need our loader.
 _FLUX_FROM_CHECKPOINT = ("depth", "depth_single_blocks", "guidance_embed")
 # the preset at the width sd-scripts' loaders hard-code, per model type
@@ -125,6 +143,8 @@ def needs_custom_loader(spec: dict) -> bool:
     sd-scripts' loaders hard-code: its FLUX loader reads only the block counts and dev/schnell from the checkpoint,
     its Chroma loader nothing at all. Then flux-train's own loader must build the modules."""
     model_type = spec.get("model_type", "flux")
+    if model_type not in FULL_SIZE:  # musubi-tuner's loaders read every width from the files
+        return False
     full = PRESETS[FULL_SIZE[model_type]]
     from_checkpoint = _FLUX_FROM_CHECKPOINT if model_type == "flux" else ()
     for part in parts_for(model_type):
