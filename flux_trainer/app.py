@@ -218,7 +218,9 @@ def _prepare_musubi(cfg: DictConfig, plan, run_dir: Path, exclusive: bool) -> Pr
             preflight_doctor(cfg, info)
         profile = profiles.environment_profile(info, os.environ, gpus=plan.gpus, cache_dir=cache_root())
         musubi_run.write_config(cfg, run_dir)
-        files = musubi_run.write_files(cfg, run_dir, folders, checkout)
+        # what importing musubi-tuner prints (its live check) goes to the run's log, as all of its output does
+        with open(run_dir / "train.log", "a", encoding="utf-8") as log_file, _quietly(log_file):
+            files = musubi_run.write_files(cfg, run_dir, folders, checkout)
         for line in files.said:
             say(line)
         accel_path = run_dir / "accelerate.yaml"
@@ -413,9 +415,12 @@ def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
 def _ensure_random_model(backend: str, cache: Path, preset: str, device: str) -> None:
     """A random preset's files, generated once into the model cache by its backend's generator."""
     if backend == MUSUBI:
-        from flux_trainer.musubi.random_model import ensure_random_model
-    else:
-        from flux_trainer.sdscripts.random_model import ensure_random_model
+        from flux_trainer.musubi.random_model import ensure_random_musubi_model
+
+        ensure_random_musubi_model(cache, preset, device=device, log=say)
+        return
+    from flux_trainer.sdscripts.random_model import ensure_random_model
+
     ensure_random_model(cache, preset, device=device, log=say)
 
 

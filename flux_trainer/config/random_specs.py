@@ -104,17 +104,6 @@ PRESETS["chroma_tiny"] = {
     "ae": PRESETS["tiny"]["ae"],
     "t5xxl": PRESETS["tiny"]["t5xxl"],
 }
-# FLUX.2 klein and FLUX.1 Kontext random sets, trained through musubi-tuner: its own loaders read them at any width,
-# and flux_trainer.musubi.random_model writes them (their shapes live there). Named here so the config layer can name
-# their files; `shapes` is the version of that module's shapes, part of the folder's name.
-MUSUBI_PRESETS = {
-    "flux2_klein_tiny": "flux2",
-    "flux2_klein_4b": "flux2",
-    "kontext_tiny": "kontext",
-    "kontext": "kontext",
-}
-for _name, _type in MUSUBI_PRESETS.items():
-    PRESETS[_name] = {"model_type": _type, "generated_by": "flux_trainer.musubi.random_model", "shapes": 1}
 # FLUX fields sd-scripts does read from the checkpoint (block counts, dev vs schnell): they never need our loader.
 _FLUX_FROM_CHECKPOINT = ("depth", "depth_single_blocks", "guidance_embed")
 # the preset at the width sd-scripts' loaders hard-code, per model type
@@ -143,8 +132,6 @@ def needs_custom_loader(spec: dict) -> bool:
     sd-scripts' loaders hard-code: its FLUX loader reads only the block counts and dev/schnell from the checkpoint,
     its Chroma loader nothing at all. Then flux-train's own loader must build the modules."""
     model_type = spec.get("model_type", "flux")
-    if model_type not in FULL_SIZE:  # musubi-tuner's loaders read every width from the files
-        return False
     full = PRESETS[FULL_SIZE[model_type]]
     from_checkpoint = _FLUX_FROM_CHECKPOINT if model_type == "flux" else ()
     for part in parts_for(model_type):

@@ -115,11 +115,13 @@ def write_files(cfg: DictConfig, run_dir: Path, folders: list[MusubiFolders], ch
         train_toml=str(train_toml),
         dataset_toml=str(dataset_toml),
         max_steps=cfg.train.max_steps,
+        random_dit=str(cfg.model.flux) if cfg.model.get("random_preset") else None,
         metrics={"enabled": bool(cfg.logging.tensorboard), "images_per_step": int(cfg.train.batch_size)},
     )
     spec.write(run_dir)
+    random = f"--random-model {spec.random_dit} " if spec.random_dit else ""
     steps = "\n".join(
-        f"# {i}. python -m flux_trainer.musubi.script {spec.musubi_tuner} {script} {shlex.join(args)}"
+        f"# {i}. python -m flux_trainer.musubi.script {random}{spec.musubi_tuner} {script} {shlex.join(args)}"
         for i, (script, args) in enumerate(
             ((run.scripts[0], spec.cache_latents), (run.scripts[1], spec.cache_text_encoder)), start=1
         )

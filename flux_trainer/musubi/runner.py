@@ -46,6 +46,7 @@ class RunnerSpec:
     train_toml: str
     dataset_toml: str
     max_steps: int | None = None
+    random_dit: str | None = None  # a random preset's DiT file: its shapes taught to musubi-tuner's loaders first
     metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
     backend: str = "musubi"
 
@@ -67,7 +68,8 @@ def cache_step(spec: RunnerSpec, script: str, args: list[str], what: str) -> Non
     """One caching script in a process of its own, its output into ours (the run's log)."""
     progress.progress(phase=what)
     began = time.monotonic()
-    command = [sys.executable, "-m", "flux_trainer.musubi.script", spec.musubi_tuner, script, *args]
+    random = ["--random-model", spec.random_dit] if spec.random_dit else []
+    command = [sys.executable, "-m", "flux_trainer.musubi.script", *random, spec.musubi_tuner, script, *args]
     log.info("%s: %s", what, " ".join(command))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -138,12 +140,19 @@ def train(spec: RunnerSpec, run_dir: Path) -> None:
     module = import_module(spec.musubi_tuner, script)
     name = TRAINER_CLASSES[script]
     base = getattr(module, name)
+    if spec.random_dit:
+        from flux_trainer.musubi.random_model import install_random_model, uninstall_random_model
+
+        for line in install_random_model(spec.random_dit):
+            log.info("random model preset: %s", line)
     setattr(module, name, make_trainer_class(base, spec, run_dir))  # main() builds the class it names
     try:
         with argv(f"{script}.py", ["--config_file", spec.train_toml, "--dataset_config", spec.dataset_toml]):
             module.main()
     finally:
         setattr(module, name, base)
+        if spec.random_dit:
+            uninstall_random_model()
 
 
 def main(argv: list[str] | None = None) -> int:
