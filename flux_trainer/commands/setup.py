@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from flux_trainer.backend import MUSUBI, SDSCRIPTS, backend_for
 from flux_trainer.backend import checkout as pinned
 from flux_trainer.config import ConfigError
 from flux_trainer.config.random_specs import parts_for
@@ -313,15 +314,19 @@ def reason(exc: BaseException | None) -> str:
 
 
 def setup(models: bool = False, overrides: list[str] | None = None) -> int:
-    """Both trainers' pinned checkouts (sd-scripts for FLUX.1 and Chroma, musubi-tuner for FLUX.2 and Kontext), and
-    with `models` the model files the composed config names."""
+    """Both trainers' pinned checkouts (sd-scripts for FLUX.1 and Chroma, musubi-tuner for FLUX.2 and Kontext); with
+    `models`, the model files the composed config names and the checkout of the trainer that model trains on."""
     if models:
         from flux_trainer.config.compose import compose_run
 
         cfg = compose_run(list(overrides or []))
         plan_downloads(cfg)  # bad model config or a random preset: fail before cloning anything
-    setup_sd_scripts()
-    setup_checkout(musubi_checkout.repo())
+    # without --models both trainers; with it the one the model trains on (flux_trainer.backend)
+    backend = backend_for(str(cfg.model.get("model_type", "flux"))) if models else None
+    if backend in (None, SDSCRIPTS):
+        setup_sd_scripts()
+    if backend in (None, MUSUBI):
+        setup_checkout(musubi_checkout.repo())
     if models:
         got = download_models(cfg)
         print("models ready: " + ", ".join(f"{part}={path}" for part, path in got.items()))
