@@ -23,6 +23,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -264,9 +265,17 @@ def _ensure_flux2(cache: Path, preset: str, device: torch.device, seed: int, log
     if (folder / SPEC_FILE).is_file() and all(paths[p].is_file() for p in FLUX2_PARTS):
         log(f"{banner}; using {folder}")
         return paths
-    log(f"{banner}; generating into {folder} on {device}")
     folder.mkdir(parents=True, exist_ok=True)
     shapes = FLUX2_PRESETS[preset]
+    plans = {part: plan_flux2_part(part, shapes[part]) for part in FLUX2_PARTS}
+    need = sum(p.nbytes for part in FLUX2_PARTS for p in plans[part] if not paths[part].is_file())
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise ConfigError(
+            f"random model '{preset}' needs {need / 1e9:.1f} GB in {folder}, only {free / 1e9:.1f} GB free; "
+            f"free space there or set the model cache (FLUX_TRAIN_MODEL_CACHE) to a larger disk"
+        )
+    log(f"{banner}; generating into {folder} on {device}")
     for index, part in enumerate(FLUX2_PARTS):
         metadata = {
             "format": "pt",
@@ -280,11 +289,10 @@ def _ensure_flux2(cache: Path, preset: str, device: torch.device, seed: int, log
             log(f"random model {preset}: {part} already written, reusing {paths[part].name}")
             continue
         start = time.perf_counter()
-        plans = plan_flux2_part(part, shapes[part])
-        write_part(paths[part], plans, device, seed * len(FLUX2_PARTS) + index, metadata)
+        write_part(paths[part], plans[part], device, seed * len(FLUX2_PARTS) + index, metadata)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        n = sum(torch.Size(p.shape).numel() for p in plans if not p.alias_of)
+        n = sum(torch.Size(p.shape).numel() for p in plans[part] if not p.alias_of)
         log(
             f"random model {preset}: wrote {paths[part].name} ({n / 1e6:,.1f}M params, "
             f"{paths[part].stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s"
