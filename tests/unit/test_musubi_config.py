@@ -113,3 +113,40 @@ def test_references_are_checked_like_images(tmp_path):
     assert "img2.png" in text and "typo1.png" in text and "match no image" in text and "have no reference" in text
     with pytest.raises(ConfigError, match="is not a folder"):
         check_references("d", str(tmp_path / "none"), images, None)
+
+
+def test_the_doctor_tells_a_flux2_file_from_a_flux1_one(tmp_path):
+    """A FLUX.2 transformer given to a FLUX.1 preset (and the reverse) fails the doctor's model row, which every launch
+    runs (app.preflight_doctor: one line, exit 2); FLUX.2's Qwen3 text encoder is recognised as such."""
+    import torch
+    from safetensors.torch import save_file
+
+    from flux_trainer.doctor.core import FAIL, PASS
+    from flux_trainer.doctor.models import model_part_check
+
+    t = torch.zeros(2, 2)
+    flux2 = {"double_blocks.0.img_attn.qkv.weight": t, "single_blocks.0.linear1.weight": t,
+             "double_stream_modulation_img.lin.weight": t, "single_stream_modulation.lin.weight": t}  # fmt: skip
+    flux1 = {"double_blocks.0.img_attn.qkv.weight": t, "single_blocks.0.linear1.weight": t,
+             "guidance_in.in_layer.weight": t, "guidance_in.in_layer.bias": t}  # fmt: skip
+    qwen = {
+        "model.embed_tokens.weight": t,
+        "model.layers.0.self_attn.q_proj.weight": t,
+        "model.layers.1.mlp.up_proj.weight": t,
+    }
+    for name, sd in (("f2", flux2), ("f1", flux1), ("qwen", qwen)):
+        save_file({k: v.clone() for k, v in sd.items()}, str(tmp_path / f"{name}.safetensors"))
+    row = model_part_check("flux", tmp_path / "f2.safetensors", model_name="flux_dev", model_type="flux")
+    assert row.status == FAIL and "a FLUX.2 checkpoint" in row.evidence and "model=flux2_" in row.fix
+    row = model_part_check("flux", tmp_path / "f1.safetensors", model_name="flux2_klein_base_4b", model_type="flux2")
+    assert row.status == FAIL and "trains FLUX.2" in row.evidence
+    row = model_part_check("flux", tmp_path / "f2.safetensors", model_name="flux2_klein_base_4b", model_type="flux2")
+    assert row.status == PASS, row
+    row = model_part_check(
+        "text_encoder", tmp_path / "qwen.safetensors", model_name="flux2_klein_base_4b", model_type="flux2"
+    )
+    assert row.status == PASS and "Qwen3" in row.evidence, row
+    row = model_part_check(
+        "text_encoder", tmp_path / "f1.safetensors", model_name="flux2_klein_base_4b", model_type="flux2"
+    )
+    assert row.status == FAIL and "must be FLUX.2's text encoder" in row.evidence
