@@ -75,12 +75,9 @@ def test_tiny_shapes_fit_together_and_full_needs_no_patch():
         specs.preset_family("random_flux2_klein_9b")
 
 
-def test_standin_qwen3_tokenizer_is_what_the_builder_writes(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    try:
-        builder = importlib.import_module("build_standin_qwen3_tokenizer")
-    finally:
-        sys.path.pop(0)
+def test_standin_qwen3_tokenizer_is_what_the_builder_writes(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    builder = importlib.import_module("build_standin_qwen3_tokenizer")
     builder.build(tmp_path)
     shipped = rm.STANDIN_DIR / specs.STANDIN_QWEN3
     for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"):
