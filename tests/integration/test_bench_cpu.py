@@ -459,3 +459,48 @@ def test_compare_kernel_sets_with_overrides_of_one_set(tmp_path):
     by = {r.case: r for r in results}
     assert by["vram48_k-auto_1024"].compared_to == "vram48_k-auto_true_1024"
     assert by["vram48_k-auto_true_1024"].compared_to is None
+
+
+def test_tiers_with_one_kernel_set_compare_each_tier_with_plain_sd_scripts_within_its_precisions_tolerance(
+    tmp_path, monkeypatch, capsys
+):
+    """`bench --tiers` (one kernel set) puts each tier's numerics against plain sd-scripts' run of the same TOMLs in
+    the table; 3% apart in mean per-step loss passes with an fp8 base (fp8 matmuls: 4%), fails with bf16 (2%)."""
+    import torch
+
+    from flux_trainer.commands import bench
+    from flux_trainer.commands.bench import BenchResult
+
+    lora = {"x.lora_up.weight": torch.ones(4), "x.lora_down.weight": torch.arange(4.0)}
+
+    def run_case(name, overrides, res, ns, root):
+        tier = overrides[0].removeprefix("memory=")
+        run = _fake_run(tmp_path / name, [1.03, 1.03, 1.03], lora)
+        (run / "sd_scripts.toml").write_text(f"fp8_base = {'true' if tier == 'vram24' else 'false'}\n")
+        return BenchResult(case=name, overrides=overrides, exit_code=0, run_dir=str(run), s_per_step=0.3,
+                           card_peak_gib=1.0)  # fmt: skip
+
+    def run_baseline(r, ns):
+        run = _fake_run(tmp_path / f"{r.case}-plain", [1.0, 1.0, 1.0], lora)
+        return BenchResult(case=f"{r.case} (plain sd-scripts)", overrides=[], exit_code=0, run_dir=str(run),
+                           s_per_step=0.9, card_peak_gib=1.0)  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    monkeypatch.setattr(bench, "run_baseline", run_baseline)
+    out = tmp_path / "b.json"
+    # plain sd-scripts' run is a folder inside ours (baseline/), its LoRA written later: ours is still our own
+    lora_up_other = {**lora, "x.lora_up.weight": -torch.ones(4)}
+    from flux_trainer.commands.bench import compare_runs
+
+    ref = _fake_run(tmp_path / "ref", [1.0], lora)
+    nested = _fake_run(tmp_path / "nested", [1.0], lora_up_other)
+    _fake_run(nested / "baseline", [1.0], lora)
+    assert compare_runs(ref, nested)["lora_up_cosine"] == pytest.approx(-1.0)
+    assert bench.bench_main(["--tiers", "vram12", "vram24", "--json", str(out), "--root", str(tmp_path)]) == 0
+    rows = {t["tier"]: t for t in json.loads(out.read_text())["tiers"]}
+    assert rows["vram24"]["compared_to"] == "vram24_k-auto_1024 (plain sd-scripts)"
+    assert rows["vram24"]["loss_rel_diff"] == pytest.approx(0.03, rel=1e-4)
+    assert rows["vram24"]["numerics_met"] and rows["vram24"]["met"]  # fp8 base: within 4%
+    assert rows["vram12"]["numerics_met"] is False and not rows["vram12"]["met"]  # bf16: over 2%
+    text = capsys.readouterr().out
+    assert "numerics against plain sd-scripts" in text and "3.00% / 1.0000 (plain)" in text
