@@ -33,6 +33,7 @@ class PinnedRepo:
     config_key: str  # the run config's key (sd_scripts=PATH, musubi_tuner=PATH)
     cache_name: str  # the folder under flux-train's cache
     marker: str  # a file only a checkout of this repository has, relative to its root
+    setup_command: str = "flux-train setup"  # what fetches it (setup gets the configured model's trainer)
 
 
 @dataclass(frozen=True)
@@ -92,18 +93,19 @@ def locate(repo: PinnedRepo, configured: str | None = None, env: Mapping[str, st
             if source != "cache":
                 raise ConfigError(
                     f"{repo.name}: {path} (from {describe_source(repo, source)}) does not exist; point it at a "
-                    f"checkout of {repo.url} or run `flux-train setup`"
+                    f"checkout of {repo.url} or run `{repo.setup_command}`"
                 )
             tried.append(str(path))
             continue
         if not (path / repo.marker).is_file():
             raise ConfigError(
                 f"{repo.name}: {path} (from {describe_source(repo, source)}) has no {repo.marker}, so it is not a "
-                f"checkout of {repo.name}; check out {repo.url} at {repo.commit[:10]} there or run `flux-train setup`"
+                f"checkout of {repo.name}; check out {repo.url} at {repo.commit[:10]} there or run "
+                f"`{repo.setup_command}`"
             )
         return Checkout(path=path.resolve(), source=source, commit=checkout_commit(path), pinned_commit=repo.commit)
     raise ConfigError(
-        f"{repo.name} not found (looked at {', '.join(tried)}); run `flux-train setup`, or set {repo.env_var} "
+        f"{repo.name} not found (looked at {', '.join(tried)}); run `{repo.setup_command}`, or set {repo.env_var} "
         f"or {repo.config_key}=PATH to a checkout of {repo.url} at {repo.commit[:10]}"
     )
 

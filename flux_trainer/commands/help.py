@@ -59,7 +59,7 @@ def help_text() -> str:
         "  dataset init NAME --images DIR   check a folder of images, write configs/dataset/NAME.yaml",
         "  dataset caption DIR [--model M]  write a caption beside each image without one (a VLM)",
         "  demo                             train a tiny random-weight FLUX on generated images (no download)",
-        "  setup [--models]                 get both trainers at their pinned commits (and the model files)",
+        "  setup [--models] [model=NAME]    get the model's trainer at its pinned commit (and the model files)",
         "  runs [ROOT]                      list runs and sweep members: steps, loss, s/step, peak VRAM",
         "  doctor [overrides] [--speed]     why a setup will fail or crawl, with the fix",
         "  bench --cases ... [--baseline]   s/step and memory against plain sd-scripts",

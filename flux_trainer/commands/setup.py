@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from flux_trainer.backend import MUSUBI, SDSCRIPTS, backend_for
+from flux_trainer.backend import MUSUBI, backend_for
 from flux_trainer.backend import checkout as pinned
 from flux_trainer.config import ConfigError
 from flux_trainer.config.random_specs import parts_for
@@ -314,19 +314,19 @@ def reason(exc: BaseException | None) -> str:
 
 
 def setup(models: bool = False, overrides: list[str] | None = None) -> int:
-    """Both trainers' pinned checkouts (sd-scripts for FLUX.1 and Chroma, musubi-tuner for FLUX.2 and Kontext); with
-    `models`, the model files the composed config names and the checkout of the trainer that model trains on."""
-    if models:
-        from flux_trainer.config.compose import compose_run
+    """The pinned checkout of the trainer the configured model trains on (sd-scripts for FLUX.1 and Chroma, the
+    default; musubi-tuner for FLUX.2 and Kontext: `flux-train setup model=flux2_klein_base_4b`); with `models`, also
+    the model files the composed config names. One trainer, not both: a FLUX.1 user is never made to fetch the
+    other (and a machine that can reach only one of them sets up)."""
+    from flux_trainer.config.compose import compose_run
 
-        cfg = compose_run(list(overrides or []))
+    cfg = compose_run(list(overrides or []))
+    if models:
         plan_downloads(cfg)  # bad model config or a random preset: fail before cloning anything
-    # without --models both trainers; with it the one the model trains on (flux_trainer.backend)
-    backend = backend_for(str(cfg.model.get("model_type", "flux"))) if models else None
-    if backend in (None, SDSCRIPTS):
-        setup_sd_scripts()
-    if backend in (None, MUSUBI):
+    if backend_for(str(cfg.model.get("model_type", "flux"))) == MUSUBI:
         setup_checkout(musubi_checkout.repo())
+    else:
+        setup_sd_scripts()
     if models:
         got = download_models(cfg)
         print("models ready: " + ", ".join(f"{part}={path}" for part, path in got.items()))

@@ -36,6 +36,7 @@ def repo() -> pinned.PinnedRepo:
         config_key="musubi_tuner",
         cache_name="musubi-tuner",
         marker=f"{PACKAGE_DIR}/musubi_tuner/flux_2_train_network.py",
+        setup_command="flux-train setup model=flux2_klein_base_4b",
     )
 
 

@@ -48,7 +48,7 @@ def test_a_folder_that_is_not_a_checkout_is_refused(tmp_path):
         checkout.locate(str(tmp_path / "other"), {})
     with pytest.raises(ConfigError, match=r"FLUX_TRAIN_MUSUBI_TUNER.*does not exist"):
         checkout.locate(None, {"FLUX_TRAIN_MUSUBI_TUNER": str(tmp_path / "nope")})
-    with pytest.raises(ConfigError, match="musubi-tuner not found .*flux-train setup"):
+    with pytest.raises(ConfigError, match="musubi-tuner not found .*`flux-train setup model=flux2_klein_base_4b`"):
         checkout.locate(None, {"FLUX_TRAIN_CACHE": str(tmp_path / "empty")})
 
 
