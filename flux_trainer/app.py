@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from flux_trainer.backend import MUSUBI, SDSCRIPTS, TRAINER_NAMES
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root, model_cache
 from flux_trainer.config.validate import tier_gib
@@ -75,6 +76,7 @@ class Prepared:
     env_lines: list[str]
     lock: rundir.OutputLock | None = None  # runs/<output_name>/ held while the run is live
     device: Any = None  # the card planned for (launch.device.DeviceInfo): the detected one, or hardware=NAME's
+    backend: str = SDSCRIPTS  # the trainer (flux_trainer.backend)
 
 
 def prepare(
@@ -88,6 +90,8 @@ def prepare(
     info = plan.device  # hardware=NAME: the named card (dry_run), else the detected one
     for line in plan.said:
         say(line)
+    if plan.backend == MUSUBI:
+        return _prepare_musubi(cfg, plan, run_dir, exclusive)
     try:
         checkout = sd_checkout.locate(cfg.sd_scripts)
     except ConfigError:
@@ -189,6 +193,57 @@ def prepare(
         raise
     env = {**os.environ, **profile.env}
     return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile), lock, info)
+
+
+def _prepare_musubi(cfg: DictConfig, plan, run_dir: Path, exclusive: bool) -> Prepared:
+    """prepare() for a model that trains on musubi-tuner (FLUX.2, Kontext): the same run dir, launch and rollback,
+    musubi-tuner's files (flux_trainer.musubi.run)."""
+    from flux_trainer.musubi import run as musubi_run
+
+    info = plan.device
+    say(musubi_run.KERNELS_LINE)
+    checkout, lines = musubi_run.locate(cfg, bool(cfg.dry_run))
+    for line in lines:
+        say(line)
+    staged_images, notes = data_stage.ready_all(cfg.dataset, cfg.model, cache_root(), int(cfg.train.batch_size))
+    for note in notes:
+        say(f"note: {note}")
+    folders = musubi_run.stage_dataset(cfg, staged_images)
+    runs_root = plan.runs_root
+    lock = rundir.lock_output(runs_root / cfg.train.output_name) if exclusive else None
+    run_dir, made = run_dir.resolve(), False
+    try:
+        run_dir, made = rundir.claim_run_dir(run_dir, command=sys.argv), True
+        if not cfg.dry_run:
+            preflight_doctor(cfg, info)
+        profile = profiles.environment_profile(info, os.environ, gpus=plan.gpus, cache_dir=cache_root())
+        musubi_run.write_config(cfg, run_dir)
+        # what importing musubi-tuner prints (its live check) goes to the run's log, as all of its output does
+        with open(run_dir / "train.log", "a", encoding="utf-8") as log_file, _quietly(log_file):
+            files = musubi_run.write_files(cfg, run_dir, folders, checkout)
+        for line in files.said:
+            say(line)
+        accel_path = run_dir / "accelerate.yaml"
+        accel_path.write_text(OmegaConf.to_yaml(OmegaConf.create(launch_command.accelerate_config(cfg, info))))
+        (run_dir / "env.json").write_text(json.dumps(profiles.profile_json(profile, info), indent=1) + "\n")
+        cmd = launch_command.launch_command(
+            cfg,
+            run_dir=run_dir,
+            accelerate_config_path=accel_path,
+            runner_args=["--run-dir", str(run_dir)],
+            info=info,
+            module=musubi_run.RUNNER_MODULE,
+        )
+        (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+    except BaseException:
+        parents = (run_dir.parent, runs_root) if exclusive else ()
+        rundir.remove_refused(run_dir, made, parents)
+        if lock is not None:
+            lock.release()
+        raise
+    env = {**os.environ, **profile.env}
+    random_preset = cfg.model.get("random_preset")
+    return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile), lock, info, MUSUBI)
 
 
 def _custom_loader(random_preset: str | None) -> bool:
@@ -306,19 +361,18 @@ def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
             from flux_trainer.doctor.gpu import kernels_for_card
 
             say(kernels_for_card(info).evidence)
-        say("dry_run=true: wrote config.yaml, sd_scripts.toml, dataset.toml, command.txt; not launching")
+        trainer_toml = "musubi_tuner.toml" if prepared.backend == MUSUBI else "sd_scripts.toml"
+        say(f"dry_run=true: wrote config.yaml, {trainer_toml}, dataset.toml, command.txt; not launching")
         say(f"would run: {shlex.join(prepared.command)}")
         return 0
     if prepared.random_preset:
-        from flux_trainer.sdscripts.random_model import ensure_random_model
-
         device = "cuda" if info.family != "cpu" else "cpu"
-        ensure_random_model(model_cache(cfg.model_cache), prepared.random_preset, device=device, log=say)
+        _ensure_random_model(prepared.backend, model_cache(cfg.model_cache), prepared.random_preset, device)
+    from flux_trainer.backend.exit_record import child_exit_code, child_reason
     from flux_trainer.launch.direct import direct_command
     from flux_trainer.launch.supervise import run_supervised
     from flux_trainer.metrics.progress import ProgressView
     from flux_trainer.metrics.startup import launch_env
-    from flux_trainer.sdscripts.runner import child_exit_code, child_reason
 
     say(f"TensorBoard: tensorboard --logdir {root}")
     log_path = prepared.run_dir / "train.log"
@@ -335,7 +389,7 @@ def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
         for line in log_lines:
             say(line)
     else:
-        say(f"training; sd-scripts' output goes to {log_path} (-v shows it here)")
+        say(f"training; {TRAINER_NAMES[prepared.backend]}'s output goes to {log_path} (-v shows it here)")
     view = ProgressView(echo=sys.stdout, tty=sys.stdout.isatty(), draw=not verbose)
     code = run_supervised(
         command,
@@ -356,6 +410,18 @@ def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
         say(f"LoRA: {final if final.is_file() else '(none written)'}")
         say(f"log: {log_path}; TensorBoard: tensorboard --logdir {root}")
     return code
+
+
+def _ensure_random_model(backend: str, cache: Path, preset: str, device: str) -> None:
+    """A random preset's files, generated once into the model cache by its backend's generator."""
+    if backend == MUSUBI:
+        from flux_trainer.musubi.random_model import ensure_random_musubi_model
+
+        ensure_random_musubi_model(cache, preset, device=device, log=say)
+        return
+    from flux_trainer.sdscripts.random_model import ensure_random_model
+
+    ensure_random_model(cache, preset, device=device, log=say)
 
 
 def _took(seconds: float) -> str:

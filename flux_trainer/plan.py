@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flux_kernels.runtime import policy
 from flux_kernels.runtime.request import parse_request
+from flux_trainer.backend import SDSCRIPTS, backend_for
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root
 from flux_trainer.config.random_specs import parts_for
@@ -25,7 +26,6 @@ from flux_trainer.config.tiers import resolve_memory
 from flux_trainer.config.validate import tier_gib, validate
 
 TOKENIZER_ENV = "FLUX_TRAIN_TOKENIZER_DIR"
-BACKEND = "sdscripts"  # the one trainer backend today (flux_trainer/sdscripts/)
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Plan:
     tokenizer_dir: Path
     runs_root: Path
     gpus: int  # processes on this node (0: the CPU)
-    backend: str = BACKEND
+    backend: str = SDSCRIPTS  # the trainer (flux_trainer.backend): sdscripts | musubi, from model.model_type
     said: list[str] = field(default_factory=list)  # warnings and choices, for the run's header
 
     @property
@@ -96,6 +96,7 @@ def resolve(cfg: DictConfig, info, *, search_dirs: list[Path] | None = None) -> 
         tokenizer_dir=tokenizer_dir(cfg),
         runs_root=Path(cfg.logging.root).expanduser().absolute(),
         gpus=processes(cfg, info),
+        backend=backend_for(str(cfg.model.get("model_type", "flux"))),
         said=said,
     )
     OmegaConf.set_readonly(cfg, True)
@@ -231,6 +232,8 @@ def absolute_paths(cfg: DictConfig) -> None:
         cfg.model[part] = str(Path(str(cfg.model[part])).expanduser().absolute())
     if cfg.dataset.images is not None:
         cfg.dataset.images = str(Path(cfg.dataset.images).expanduser().absolute())
+    if cfg.dataset.get("control_images"):
+        cfg.dataset.control_images = str(Path(cfg.dataset.control_images).expanduser().absolute())
     for subset in cfg.dataset.subsets:
         subset.images = str(Path(subset.images).expanduser().absolute())
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from flux_trainer.config.paths import shipped_config_dir, user_config_dirs
 
 GROUPS = {
-    "model": "which FLUX.1 / Chroma and text-encoder files (random* are generated weights for tests)",
+    "model": "which model and files: FLUX.1 / Chroma (sd-scripts), FLUX.2 / Kontext (musubi-tuner); random* for tests",
     "dataset": "your images: configs/dataset/NAME.yaml, picked with +dataset=NAME",
     "network": "the LoRA: rank, alpha, which blocks",
     "optimizer": "optimizer and learning-rate schedule",
@@ -59,7 +59,7 @@ def help_text() -> str:
         "  dataset init NAME --images DIR   check a folder of images, write configs/dataset/NAME.yaml",
         "  dataset caption DIR [--model M]  write a caption beside each image without one (a VLM)",
         "  demo                             train a tiny random-weight FLUX on generated images (no download)",
-        "  setup [--models]                 get sd-scripts at the pinned commit (and the model files)",
+        "  setup [--models] [model=NAME]    get the model's trainer at its pinned commit (and the model files)",
         "  runs [ROOT]                      list runs and sweep members: steps, loss, s/step, peak VRAM",
         "  doctor [overrides] [--speed]     why a setup will fail or crawl, with the fix",
         "  bench --cases ... [--baseline]   s/step and memory against plain sd-scripts",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -11,55 +12,61 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from flux_trainer.backend import MUSUBI, backend_for
+from flux_trainer.backend import checkout as pinned
 from flux_trainer.config import ConfigError
 from flux_trainer.config.random_specs import parts_for
-from flux_trainer.sdscripts.checkout import COMMIT_FILE, ENV_VAR, PINNED_COMMIT, REPO_URL, default_location, locate
+from flux_trainer.musubi import checkout as musubi_checkout
+from flux_trainer.sdscripts.checkout import PINNED_COMMIT, REPO_URL
+from flux_trainer.sdscripts.checkout import repo as sd_repo
+
+
+def _sd_scripts_repo() -> pinned.PinnedRepo:
+    """sd-scripts with this module's URL and commit (tests point them at a local stand-in repository)."""
+    return dataclasses.replace(sd_repo(), url=REPO_URL, commit=PINNED_COMMIT)
 
 
 def clone_commands(dest: Path) -> list[list[str]]:
-    """A shallow fetch of exactly the pinned commit (argument lists, never a shell)."""
-    return [
-        ["git", "init", "-q", str(dest)],
-        ["git", "-C", str(dest), "fetch", "-q", "--depth", "1", REPO_URL, PINNED_COMMIT],
-        ["git", "-C", str(dest), "checkout", "-q", "FETCH_HEAD"],
-    ]
+    """A shallow fetch of exactly the pinned sd-scripts commit (argument lists, never a shell)."""
+    return pinned.clone_commands(_sd_scripts_repo(), dest)
 
 
 def manual_steps(dest: Path) -> str:
-    return (
-        f"get sd-scripts by hand, then point flux-train at it:\n"
-        f"  git clone {REPO_URL} {dest}\n  git -C {dest} checkout {PINNED_COMMIT}\n"
-        f"or, on a machine without git, download the archive of commit {PINNED_COMMIT[:10]}, unpack it to {dest} "
-        f"and write the commit id into {dest / COMMIT_FILE};\n"
-        f"elsewhere: export FLUX_TRAIN_SD_SCRIPTS=/path/to/sd-scripts (or sd_scripts=PATH)"
-    )
+    return pinned.manual_steps(_sd_scripts_repo(), dest)
 
 
 def setup_sd_scripts(dest: Path | None = None, configured: str | None = None) -> Path:
     """An existing checkout (sd_scripts key, $FLUX_TRAIN_SD_SCRIPTS, the cache folder) is used as is."""
+    return setup_checkout(_sd_scripts_repo(), dest, configured)
+
+
+def setup_checkout(repo: pinned.PinnedRepo, dest: Path | None = None, configured: str | None = None) -> Path:
+    """A trainer's pinned checkout: an existing one (its config key, its environment variable, the cache folder) is
+    used as is; else exactly the pinned commit is fetched into the cache folder, or the manual steps are named."""
     if dest is None:
         try:
-            found = locate(configured)
+            found = pinned.locate(repo, configured)
         except ConfigError:
-            if configured or os.environ.get(ENV_VAR):
+            if configured or os.environ.get(repo.env_var):
                 raise
         else:
-            state = (
-                "the pinned commit" if found.pinned else f"commit {found.commit or 'unknown'}, not {PINNED_COMMIT[:10]}"
-            )
-            print(f"sd-scripts: using {found.path} ({state}, from {found.source})")
+            other = f"commit {found.commit or 'unknown'}, not {repo.commit[:10]}"
+            state = "the pinned commit" if found.pinned else other
+            print(f"{repo.name}: using {found.path} ({state}, from {found.source})")
             return found.path
-    dest = dest or default_location()
+    dest = dest or pinned.default_location(repo)
     if shutil.which("git") is None:
-        raise ConfigError("git is not installed; " + manual_steps(dest))
+        raise ConfigError("git is not installed; " + pinned.manual_steps(repo, dest))
     dest.parent.mkdir(parents=True, exist_ok=True)
-    print(f"fetching sd-scripts {PINNED_COMMIT[:10]} into {dest} ...")
-    for cmd in clone_commands(dest):
+    print(f"fetching {repo.name} {repo.commit[:10]} into {dest} ...")
+    for cmd in pinned.clone_commands(repo, dest):
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             shutil.rmtree(dest, ignore_errors=True)
-            raise ConfigError(f"`{' '.join(cmd)}` failed ({result.stderr.strip()[-200:]}); " + manual_steps(dest))
-    print(f"sd-scripts ready at {dest}")
+            raise ConfigError(
+                f"`{' '.join(cmd)}` failed ({result.stderr.strip()[-200:]}); " + pinned.manual_steps(repo, dest)
+            )
+    print(f"{repo.name} ready at {dest}")
     return dest
 
 
@@ -307,13 +314,19 @@ def reason(exc: BaseException | None) -> str:
 
 
 def setup(models: bool = False, overrides: list[str] | None = None) -> int:
-    """sd-scripts, and with `models` the model files the composed config names."""
-    if models:
-        from flux_trainer.config.compose import compose_run
+    """The pinned checkout of the trainer the configured model trains on (sd-scripts for FLUX.1 and Chroma, the
+    default; musubi-tuner for FLUX.2 and Kontext: `flux-train setup model=flux2_klein_base_4b`); with `models`, also
+    the model files the composed config names. One trainer, not both: a FLUX.1 user is never made to fetch the
+    other (and a machine that can reach only one of them sets up)."""
+    from flux_trainer.config.compose import compose_run
 
-        cfg = compose_run(list(overrides or []))
+    cfg = compose_run(list(overrides or []))
+    if models:
         plan_downloads(cfg)  # bad model config or a random preset: fail before cloning anything
-    setup_sd_scripts()
+    if backend_for(str(cfg.model.get("model_type", "flux"))) == MUSUBI:
+        setup_checkout(musubi_checkout.repo())
+    else:
+        setup_sd_scripts()
     if models:
         got = download_models(cfg)
         print("models ready: " + ", ".join(f"{part}={path}" for part, path in got.items()))

@@ -14,8 +14,14 @@ _registered = False
 
 
 def _model_file(preset: str, part: str, *, _root_: DictConfig) -> str:
-    """`${model_file:tiny,flux}`: the generated random preset's file inside the model cache."""
-    return str(preset_file(model_cache(_root_.get("model_cache")), preset, part))
+    """`${model_file:tiny,flux}`: the generated random preset's file inside the model cache (FLUX.2's random sets:
+    `${model_file:random_flux2_klein_tiny,dit}`, named by flux_trainer.musubi.random_specs, pure data)."""
+    from flux_trainer.musubi.random_specs import FLUX2_PRESETS, flux2_preset_file
+
+    cache = model_cache(_root_.get("model_cache"))
+    if preset in FLUX2_PRESETS:
+        return str(flux2_preset_file(cache, preset, part))
+    return str(preset_file(cache, preset, part))
 
 
 def register() -> None:

@@ -7,16 +7,23 @@ import hashlib
 import json
 from pathlib import Path
 
-PARTS = ("flux", "ae", "clip_l", "t5xxl")
-# sd-scripts' --model_type: FLUX.1 reads all four parts; Chroma has no CLIP-L (sd-scripts feeds it a dummy)
-MODEL_TYPES = ("flux", "chroma")
+PARTS = ("flux", "ae", "clip_l", "t5xxl")  # FLUX.1's files
+# the files each model_type reads: Chroma has no CLIP-L (sd-scripts feeds it a dummy); FLUX.2 one text encoder (Qwen3
+# for klein, Mistral 3 for dev; `text_encoder`); FLUX.1 Kontext FLUX.1's four
+PARTS_BY_TYPE: dict[str, tuple[str, ...]] = {
+    "flux": PARTS,
+    "chroma": ("flux", "ae", "t5xxl"),
+    "flux2": ("flux", "ae", "text_encoder"),
+    "kontext": PARTS,
+}
+MODEL_TYPES = tuple(PARTS_BY_TYPE)
 
 
 def parts_for(model_type: str) -> tuple[str, ...]:
-    """The model files a model type reads: Chroma is conditioned on T5 alone."""
-    if model_type not in MODEL_TYPES:
+    """The model files a model type reads."""
+    if model_type not in PARTS_BY_TYPE:
         raise KeyError(f"unknown model_type {model_type!r}; choose from {', '.join(MODEL_TYPES)}")
-    return PARTS if model_type == "flux" else tuple(p for p in PARTS if p != "clip_l")
+    return PARTS_BY_TYPE[model_type]
 
 
 # full: FLUX.1-dev shapes exactly; tiny: narrow widths and 1 double + 1 single block, for CPU runs. chroma and

@@ -27,12 +27,18 @@ class ModelConfig:
     # flux_dev | flux_schnell | chroma | random | random_tiny | random_chroma | random_chroma_tiny (random presets
     # are generated weights, never a real model)
     name: str = MISSING
-    # sd-scripts' --model_type: flux (FLUX.1) | chroma (T5 only: clip_l is null)
+    # the architecture, which also picks the trainer (flux_trainer.backend.BACKENDS): flux (FLUX.1) | chroma (T5 only:
+    # clip_l is null) train on sd-scripts; flux2 (FLUX.2 klein / dev: one text encoder) | kontext (FLUX.1 Kontext,
+    # reference images in dataset.control_images) train on musubi-tuner
     model_type: str = "flux"
-    flux: str = MISSING  # FLUX (or Chroma) transformer .safetensors (BFL or Diffusers layout)
+    flux: str = MISSING  # the transformer .safetensors (FLUX.1, Chroma, FLUX.2 or Kontext; BFL layout)
     ae: str = MISSING  # autoencoder .safetensors
-    clip_l: str | None = MISSING  # CLIP-L text encoder .safetensors; null for Chroma
-    t5xxl: str = MISSING  # T5-XXL encoder .safetensors
+    clip_l: str | None = MISSING  # CLIP-L text encoder .safetensors; null for Chroma and FLUX.2
+    t5xxl: str | None = MISSING  # T5-XXL encoder .safetensors; null for FLUX.2
+    # FLUX.2 only: its text encoder (Qwen3 4B / 8B for klein, Mistral 3 for dev), the first file of a split set
+    text_encoder: str | None = None
+    # FLUX.2 only: which one (musubi-tuner's --model_version): dev | klein-4b | klein-base-4b | klein-9b | klein-base-9b
+    model_version: str | None = None
     # random presets: the generated set's shape, written once into the model cache (random_tiny / random)
     random_preset: str | None = None
     # tokens of T5 context; None = sd-scripts' default (512 dev, 256 schnell)
@@ -62,6 +68,8 @@ class DatasetConfig:
     # a number, or a list of them: one sd-scripts dataset per resolution over the same folders
     resolution: Any = 1024
     subsets: list[SubsetConfig] = field(default_factory=list)  # several folders instead of `images`
+    # FLUX.1 Kontext: a folder of reference images, one per image, matched by name (photo1.png for photo1.jpg)
+    control_images: str | None = None
     # masked loss from each image's alpha channel (opaque: learned, transparent: not); every image needs one
     alpha_mask: bool = False
     repeats: int = 10
@@ -248,6 +256,7 @@ class RunConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     sd_scripts: str | None = None  # checkout; else FLUX_TRAIN_SD_SCRIPTS; else the cache folder
+    musubi_tuner: str | None = None  # checkout (FLUX.2, Kontext); else FLUX_TRAIN_MUSUBI_TUNER; else the cache folder
     tokenizer_dir: str | None = None  # sd-scripts' tokenizer_cache_dir; else FLUX_TRAIN_TOKENIZER_DIR
     model_cache: str | None = None  # where random presets are generated; else FLUX_TRAIN_MODEL_CACHE
     resume: str = "off"  # off | auto | a state folder

@@ -14,6 +14,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from flux_kernels.runtime.request import KERNEL_NAMES, parse_request
+from flux_trainer.backend import BACKENDS, SDSCRIPTS, backend_for
+from flux_trainer.backend.options import refusals
 from flux_trainer.config.errors import ConfigError
 from flux_trainer.config.random_specs import MODEL_TYPES, parts_for
 from flux_trainer.config.refusals import output_name_problem
@@ -57,6 +59,8 @@ FAMILIES = ("auto", "blackwell_consumer", "blackwell", "hopper", "ada", "ampere"
 # tensor-core matmuls (the fp8_matmul kernel) need Ada (sm_89) or newer, which the kernel's own check decides
 FP8_FAMILIES = ("blackwell_consumer", "blackwell", "hopper", "ada", "ampere")
 RESOLUTION_RANGE = (64, 2048)
+# FLUX.2's variants (musubi-tuner's --model_version choices at the pinned commit)
+FLUX2_VERSIONS = ("dev", "klein-4b", "klein-base-4b", "klein-9b", "klein-base-9b")
 LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")  # sd-scripts' --loss_type choices
 # sd-scripts' snr schedule reads the noise scheduler's alphas_cumprod, which FLUX's flow-matching scheduler lacks
 HUBER_SCHEDULES = ("constant", "exponential")
@@ -265,6 +269,7 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
         problems.append(no_dataset_message(search_dirs or []))
     else:
         _check_dataset(cfg.dataset, problems)
+    backend = _check_backend(cfg, problems)
 
     net = cfg.network
     if net.rank <= 0:
@@ -297,6 +302,8 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
         )
     if mem.blocks_to_swap < 0:
         problems.append(f"memory.blocks_to_swap={mem.blocks_to_swap}: must be 0 or more")
+    elif backend != SDSCRIPTS:
+        pass  # the other backend's translation fits the count to the model (flux_trainer/musubi/translate.py)
     elif mem.blocks_to_swap > (most := max_blocks_to_swap(*model_depth(cfg.model))):
         problems.append(
             f"memory.blocks_to_swap={mem.blocks_to_swap}: this model swaps at most {most} (sd-scripts keeps 2 double "
@@ -378,6 +385,27 @@ def validate(cfg: DictConfig, *, family: str | None = None, search_dirs: list[Pa
     if problems:
         raise ConfigError(problems)
     return warnings
+
+
+def _check_backend(cfg: DictConfig, problems: list[str]) -> str | None:
+    """The trainer the model's type names (flux_trainer.backend), and every key set that this trainer would not
+    use; a Kontext dataset must name its reference images. None for an unknown model_type (reported elsewhere)."""
+    model_type = str(cfg.model.get("model_type", "flux"))
+    if model_type not in BACKENDS:
+        return None
+    backend = backend_for(model_type)
+    problems += refusals(cfg, backend, str(cfg.model.name))
+    if model_type == "flux2" and cfg.model.get("model_version") not in FLUX2_VERSIONS:
+        problems.append(
+            f"model.model_version={cfg.model.get('model_version')}: FLUX.2 needs one of {', '.join(FLUX2_VERSIONS)} "
+            "(the model=flux2_* presets set it)"
+        )
+    if model_type == "kontext" and not OmegaConf.is_missing(cfg, "dataset") and not cfg.dataset.get("control_images"):
+        problems.append(
+            f"dataset '{cfg.dataset.name}': model={cfg.model.name} edits a reference image, and the dataset names "
+            "none; add `control_images: /path/to/references` (one per image, same name) to its YAML"
+        )
+    return backend
 
 
 def _check_loss_and_validation(cfg: DictConfig, problems: list[str], warnings: list[str]) -> None:

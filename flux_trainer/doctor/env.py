@@ -60,6 +60,7 @@ REQUIREMENTS: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "",
         "image loading (cv2)",
     ),
+    (("av",), "", "musubi-tuner's dataset module imports it (FLUX.2, Kontext)"),
     (("numpy",), "", ""),
     (("pillow",), "", ""),
 )

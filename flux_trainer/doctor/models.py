@@ -21,7 +21,14 @@ from flux_trainer.doctor.core import FAIL, PASS, WARN, CheckResult, one_line
 
 GROUP = "models"
 MAX_HEADER = 100 * 2**20  # the safetensors library refuses headers over 100 MB as well
-PARTS = {"flux": "the FLUX transformer", "ae": "the FLUX autoencoder", "clip_l": "CLIP-L", "t5xxl": "T5-XXL"}
+PARTS = {
+    "flux": "the FLUX transformer",
+    "ae": "the FLUX autoencoder",
+    "clip_l": "CLIP-L",
+    "t5xxl": "T5-XXL",
+    "text_encoder": "FLUX.2's text encoder (Qwen3 / Mistral 3)",
+}
+FLUX2_MARKERS = ("double_stream_modulation_", "single_stream_modulation.")  # FLUX.2's shared modulation layers
 _DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "F8_E4M3": "fp8_e4m3fn", "F8_E5M2": "fp8_e5m2"}
 COMFY_PREFIX = "model.diffusion_model."  # sd-scripts strips it from FLUX checkpoints
 _BUNDLE_PREFIXES = ("first_stage_model.", "cond_stage_model.", "conditioner.", "text_encoders.", "vae.")
@@ -78,7 +85,7 @@ class ModelFile:
 
     kind: str  # flux | ae | clip_l | t5xxl | unknown
     layout: str  # bfl | diffusers | transformers | sd_vae | prefixed | bundle | ...
-    variant: str  # flux: dev | schnell | chroma
+    variant: str  # flux: dev | schnell | chroma | flux2
     dtype: str  # of the main weights: bf16 | fp16 | fp32 | fp8_e4m3fn | fp8_e5m2
     dtypes: dict[str, int]  # dtype -> number of tensors
     tensors: int
@@ -94,6 +101,7 @@ class ModelFile:
             "ae": "FLUX autoencoder",
             "clip_l": "CLIP text encoder",
             "t5xxl": "T5 encoder",
+            "text_encoder": "decoder-only text encoder (Qwen3 / Mistral 3)",
             "unknown": "unrecognised weights",
         }[self.kind]
         counts = ", ".join(f"{d} x{n}" for d, n in sorted(self.dtypes.items(), key=lambda kv: -kv[1]))
@@ -157,6 +165,8 @@ def classify(header: Header) -> ModelFile:
         variant = "dev" if {"guidance_in.in_layer.weight", "guidance_in.in_layer.bias"} & names else "schnell"
         if any(k.startswith("distilled_guidance_layer.") for k in stripped):
             variant = "chroma"
+        if any(k.startswith(FLUX2_MARKERS) for k in stripped):
+            variant = "flux2"
         double, single = _count(stripped, r"double_blocks\.(\d+)\."), _count(stripped, r"single_blocks\.(\d+)\.")
         notes = ("ComfyUI key prefix (sd-scripts strips it)",) if stripped != keys else ()
         return make("flux", "bfl", variant, double, f"double + {single} single blocks", notes=notes)
@@ -197,7 +207,11 @@ def classify(header: Header) -> ModelFile:
             )
         notes = ("also holds a decoder (unused)",) if any(k.startswith("decoder.block.") for k in keys) else ()
         return make("t5xxl", "transformers", blocks=blocks, unit="blocks", notes=notes)
-    return make("unknown", "unknown", problem="no FLUX, AE, CLIP or T5 key names in it")
+    llm = [k for k in keys if re.search(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.", k)]
+    if llm:  # a decoder-only language model (or a shard of one): FLUX.2's Qwen3 / Mistral 3 text encoder
+        blocks = _count([k[k.index("layers.") :] for k in llm], r"layers\.(\d+)\.")
+        return make("text_encoder", "transformers", blocks=blocks, unit="layers")
+    return make("unknown", "unknown", problem="no FLUX, AE, CLIP, T5 or Qwen3 key names in it")
 
 
 def read_model(path: Path) -> ModelFile:
@@ -276,7 +290,15 @@ def model_part_check(
             GROUP,
             data,
         )
-    if part == "flux":
+    if part == "flux" and (info.variant == "flux2") != (model_type == "flux2"):
+        if info.variant == "flux2":
+            say, fix = f"a FLUX.2 checkpoint, but model={model_name} trains another model", "use a model=flux2_* preset"
+        else:
+            other = "chroma" if info.variant == "chroma" else "flux_dev"
+            say = f"a FLUX.1 {info.variant} checkpoint, but model={model_name} trains FLUX.2"
+            fix = f"set model.flux to the FLUX.2 file, or use model={other}"
+        return CheckResult(check, FAIL, f"{evidence}: {say}", fix, GROUP, data)
+    if part == "flux" and model_type != "flux2":
         if (info.variant == "chroma") != (model_type == "chroma"):
             if info.variant == "chroma":
                 say, fix = f"a Chroma checkpoint, but model={model_name} trains FLUX.1", "use model=chroma"

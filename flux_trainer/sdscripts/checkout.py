@@ -11,127 +11,52 @@ import importlib
 import importlib.machinery
 import logging
 import os
-import subprocess
 import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from flux_trainer.backend import checkout as pinned
+from flux_trainer.backend.checkout import COMMIT_FILE, Checkout, checkout_commit  # noqa: F401 - this module's API
+from flux_trainer.backend.tv_shim import install_torchvision_shim
 from flux_trainer.config.errors import ConfigError
-from flux_trainer.config.paths import cache_root
 
 log = logging.getLogger(__name__)
 
 PINNED_COMMIT = "48d368fa557731ad0488c07304dfeba8c07910eb"
 REPO_URL = "https://github.com/kohya-ss/sd-scripts"
 ENV_VAR = "FLUX_TRAIN_SD_SCRIPTS"
-# Written by `flux-train setup` (and by anyone exporting a commit without .git) so the commit stays known.
-COMMIT_FILE = ".flux-train-commit"
 
 
-@dataclass(frozen=True)
-class Checkout:
-    path: Path
-    source: str  # "config" | "env" | "cache"
-    commit: str | None
-
-    @property
-    def pinned(self) -> bool:
-        return self.commit == PINNED_COMMIT
+def repo() -> pinned.PinnedRepo:
+    """sd-scripts as the shared checkout code reads it (built per call: tests pin a stand-in commit)."""
+    return pinned.PinnedRepo(
+        name="sd-scripts",
+        commit=PINNED_COMMIT,
+        url=REPO_URL,
+        env_var=ENV_VAR,
+        config_key="sd_scripts",
+        cache_name="sd-scripts",
+        marker="flux_train_network.py",
+    )
 
 
 def default_location(env: Mapping[str, str] = os.environ) -> Path:
-    return cache_root(env) / "sd-scripts"
+    return pinned.default_location(repo(), env)
 
 
 def candidates(configured: str | None, env: Mapping[str, str] = os.environ) -> list[tuple[str, Path]]:
-    found = []
-    if configured:
-        found.append(("config", Path(configured).expanduser()))
-    if env.get(ENV_VAR):
-        found.append(("env", Path(env[ENV_VAR]).expanduser()))
-    found.append(("cache", default_location(env)))
-    return found
-
-
-def checkout_commit(path: Path) -> str | None:
-    """The commit of a checkout: `git rev-parse HEAD`, else the commit file an export left, else None."""
-    path = Path(path)
-    if (path / ".git").exists():
-        try:
-            out = subprocess.run(
-                ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-            )
-            return out.stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    marker = path / COMMIT_FILE
-    if marker.is_file():
-        return marker.read_text().strip() or None
-    return None
+    return pinned.candidates(repo(), configured, env)
 
 
 def locate(configured: str | None = None, env: Mapping[str, str] = os.environ) -> Checkout:
     """The first candidate that exists. A named path (config or env) that is not a checkout is an error."""
-    tried = []
-    for source, path in candidates(configured, env):
-        if not path.exists():
-            if source != "cache":
-                raise ConfigError(
-                    f"sd-scripts: {path} (from {_describe(source)}) does not exist; point it at a checkout of "
-                    f"{REPO_URL} or run `flux-train setup`"
-                )
-            tried.append(str(path))
-            continue
-        if not (path / "flux_train_network.py").is_file():
-            raise ConfigError(
-                f"sd-scripts: {path} (from {_describe(source)}) has no flux_train_network.py, so it is not an "
-                f"sd-scripts checkout; check out {REPO_URL} at {PINNED_COMMIT[:10]} there or run `flux-train setup`"
-            )
-        return Checkout(path=path.resolve(), source=source, commit=checkout_commit(path))
-    raise ConfigError(
-        f"sd-scripts not found (looked at {', '.join(tried)}); run `flux-train setup`, or set {ENV_VAR} "
-        f"or sd_scripts=PATH to a checkout of {REPO_URL} at {PINNED_COMMIT[:10]}"
-    )
+    return pinned.locate(repo(), configured, env)
 
 
 def commit_warning(checkout: Checkout) -> str | None:
-    if checkout.pinned:
-        return None
-    have = checkout.commit or "an unknown commit (no .git and no commit file)"
-    return (
-        f"sd-scripts at {checkout.path} is {have}, flux-train is tested with {PINNED_COMMIT}; "
-        f"flags may differ (`git -C {checkout.path} checkout {PINNED_COMMIT[:10]}`)"
-    )
-
-
-def _describe(source: str) -> str:
-    return {"config": "the sd_scripts config key", "env": f"${ENV_VAR}", "cache": "the cache folder"}[source]
-
-
-def install_torchvision_shim() -> bool:
-    """sd-scripts imports `torchvision.transforms` for ToTensor/Normalize only. Where torchvision cannot be
-    installed (CPU-only PyTorch builds without a matching torchvision), give it those few transforms in
-    plain PyTorch. Does nothing when a real torchvision imports. Returns True if the shim was installed."""
-    try:
-        import torchvision  # noqa: F401
-
-        return False
-    except Exception:  # noqa: BLE001 - a broken torchvision (wrong CUDA build) is as absent as a missing one
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-    from flux_trainer.sdscripts import tv_shim
-
-    tv = types.ModuleType("torchvision")
-    tv.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
-    tv.__version__ = "0.0.0+flux-train-shim"
-    tv.transforms = tv_shim.transforms_module()
-    sys.modules["torchvision"] = tv
-    sys.modules["torchvision.transforms"] = tv.transforms
-    sys.modules["torchvision.transforms.functional"] = tv.transforms.functional
-    log.info("torchvision is not importable: using flux-train's minimal torchvision.transforms for sd-scripts")
-    return True
+    return pinned.commit_warning(repo(), checkout)
 
 
 @contextlib.contextmanager

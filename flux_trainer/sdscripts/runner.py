@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flux_trainer.backend.exit_record import EXIT_FILE, child_exit_code, child_reason  # noqa: F401 - API
 from flux_trainer.metrics import progress
 from flux_trainer.metrics.tensorboard import VALIDATION_TAGS
 from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts, sd_scripts_argv
 
 log = logging.getLogger("flux_trainer.runner")
 RUNNER_SPEC = "runner.json"
-EXIT_FILE = "runner_exit.json"  # accelerate launch turns every child failure into 1; the real code is kept here
 EXIT_NONFINITE_LOSS = 3
 VRAM_CAP_ENV = "FLUX_TRAIN_VRAM_CAP_GIB"  # set by `flux-train bench --vram-cap`
 
@@ -307,27 +307,6 @@ def apply_vram_cap(cap_gib: str | None) -> None:
 
 def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
-
-
-def child_reason(run_dir: Path, code: int) -> str | None:
-    """The training process's own one-line account of how it ended, for codes that need no log to explain:
-    stopped on request (130), disk full, kernels or a non-finite loss."""
-    try:
-        record = json.loads((run_dir / EXIT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if record.get("code") != code or code in (0, 1):
-        return None
-    return str(record.get("reason") or "") or None
-
-
-def child_exit_code(run_dir: Path, launcher_code: int) -> int:
-    """The training process's own exit code where the launcher reported only success/failure."""
-    try:
-        recorded = int(json.loads((run_dir / EXIT_FILE).read_text())["code"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return launcher_code
-    return recorded if launcher_code != 0 and recorded != 0 else launcher_code
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from flux_trainer.backend.toml_doc import Document, Item, Table
 from flux_trainer.data.subsets import Subset, resolutions_of, subsets_of
-from flux_trainer.sdscripts.toml_doc import Document, Item, Table
 
 # Why each optimizer argument has the value it has; shown beside the value in sd_scripts.toml.
 OPTIMIZER_ARG_REASONS = {

@@ -64,7 +64,7 @@ def versions(**overrides):
         "transformers": "4.54.1", "diffusers": "0.32.1", "huggingface_hub": "0.34.3", "tokenizers": "0.21.4",
         "accelerate": "1.6.0", "safetensors": "0.4.5", "toml": "0.10.2", "voluptuous": "0.15.2",
         "imagesize": "1.4.1", "ftfy": "6.3.1", "einops": "0.7.0", "sentencepiece": "0.2.1",
-        "opencv-python-headless": "4.10.0", "numpy": "2.1.0", "pillow": "11.0.0", "prodigyopt": "1.1.2",
+        "opencv-python-headless": "4.10.0", "numpy": "2.1.0", "pillow": "11.0.0", "prodigyopt": "1.1.2", "av": "14.0.1",
     }  # fmt: skip
     good.update(overrides)
 

@@ -64,3 +64,20 @@ def test_existing_env_checkout_is_used_as_is(upstream, tmp_path, monkeypatch, ca
     assert setup_cmd.setup_sd_scripts() == mine.resolve()
     assert "from env" in capsys.readouterr().out
     assert not (tmp_path / "cache" / "sd-scripts").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fetched"),
+    [([], "sd-scripts"), (["model=chroma"], "sd-scripts"), (["model=flux2_klein_base_4b"], "musubi-tuner"),
+     (["model=flux_kontext"], "musubi-tuner")],
+)  # fmt: skip
+def test_setup_fetches_the_configured_models_trainer_only(monkeypatch, overrides, fetched):
+    """Plain `flux-train setup` (the default FLUX.1 model) gets sd-scripts alone: a machine that can reach only the
+    one trainer it needs sets up; a FLUX.2 / Kontext model gets musubi-tuner alone."""
+    from flux_trainer.commands import setup as setup_cmd
+
+    got = []
+    monkeypatch.setattr(setup_cmd, "setup_sd_scripts", lambda *a, **k: got.append("sd-scripts"))
+    monkeypatch.setattr(setup_cmd, "setup_checkout", lambda repo, *a, **k: got.append(repo.name))
+    assert setup_cmd.setup(overrides=overrides) == 0
+    assert got == [fetched]

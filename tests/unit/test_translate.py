@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import tomli
 
+from flux_trainer.backend.toml_doc import Document
 from flux_trainer.sdscripts.parser_schema import check_training_keys, load_schema
-from flux_trainer.sdscripts.toml_doc import Document
 from flux_trainer.sdscripts.translate import RunPaths, translate
 
 GOLDEN = Path(__file__).parent.parent / "golden"

@@ -1,4 +1,5 @@
-"""The TOML documents handed to sd-scripts, a comment beside each value that needs one, written by tomlkit.
+"""The TOML documents handed to the trainers (sd-scripts, musubi-tuner), a comment beside each value that needs one,
+written by tomlkit.
 
 The TOML is also documentation for the user ("why is d_coef 1.0?"), so each key may carry a comment; tomli-w cannot
 write comments, tomlkit can, and it escapes every string by the TOML spec, so any user string (quotes, backslashes,

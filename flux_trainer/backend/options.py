@@ -1,0 +1,105 @@
+"""Which of our config keys each backend honours, so a key the chosen trainer would ignore is refused, not lost.
+
+Both trainers read the same RunConfig, but not every key means something to both: sd-scripts has no reference images
+or FLUX.2 timestep shift; flux-train's musubi-tuner backend does not (yet) translate sd-scripts' loss variants,
+validation split, LyCORIS or the in-process kernels. A key set to anything but its default on a backend that does
+not honour it is one line naming the key, its value, the model, and what to do. Presets set several of these keys
+(the memory tiers set checkpoint_skip, cuda_graphs, t5xxl_fp8): those are read by both backends (or are harmless
+when not), so they are not listed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flux_trainer.backend import MUSUBI, SDSCRIPTS, TRAINER_NAMES
+
+# key -> (its default, the backends that honour another value)
+ONLY: dict[str, tuple[Any, tuple[str, ...]]] = {
+    # FLUX.2 / Kontext only
+    "model.text_encoder": (None, (MUSUBI,)),
+    "model.model_version": (None, (MUSUBI,)),
+    "dataset.control_images": (None, (MUSUBI,)),
+    # sd-scripts only (flux_trainer/sdscripts/translate.py maps them; the musubi backend does not)
+    "network.train_blocks": ("all", (SDSCRIPTS,)),
+    "network.split_qkv": (False, (SDSCRIPTS,)),
+    "network.train_t5xxl": (False, (SDSCRIPTS,)),
+    "network.loraplus_lr_ratio": (None, (SDSCRIPTS,)),
+    "network.algo": (None, (SDSCRIPTS,)),
+    "train.model_prediction_type": ("raw", (SDSCRIPTS,)),
+    "train.guidance_scale": (1.0, (SDSCRIPTS,)),
+    "train.loss_type": ("l2", (SDSCRIPTS,)),
+    "train.prior_loss_weight": (1.0, (SDSCRIPTS,)),
+    "train.validate_every_n_steps": (None, (SDSCRIPTS,)),
+    "dataset.validation_split": (0.0, (SDSCRIPTS,)),
+    "dataset.alpha_mask": (False, (SDSCRIPTS,)),
+    "dataset.caption_dropout_rate": (0.0, (SDSCRIPTS,)),
+    "dataset.flip_aug": (False, (SDSCRIPTS,)),
+    "dataset.keep_tokens": (0, (SDSCRIPTS,)),
+    "sample.prompts": ([], (SDSCRIPTS,)),
+    "logging.profile_at": (None, (SDSCRIPTS,)),
+    "logging.memory_snapshot_at": (None, (SDSCRIPTS,)),
+    "resume": ("off", (SDSCRIPTS,)),
+    "cache.latents": (True, (SDSCRIPTS,)),  # musubi-tuner trains from its caches only: false is sd-scripts'
+    "cache.text_encoder_outputs": (True, (SDSCRIPTS,)),
+}
+# values of a key that one backend alone knows
+ONLY_VALUES: dict[tuple[str, Any], tuple[str, ...]] = {
+    ("train.timestep_sampling", "flux2_shift"): (MUSUBI,),
+}
+KERNEL_SETS_WITHOUT_KERNELS = ("auto", "off")  # what a backend without flux_kernels hooks accepts
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if node is None or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+
+
+def refusals(cfg: Any, backend: str, model: str) -> list[str]:
+    """One line per key `cfg` sets that `backend` would not honour (empty: every setting means something there)."""
+    trainer = TRAINER_NAMES[backend]
+    other = {SDSCRIPTS: "a FLUX.1 or Chroma model", MUSUBI: "a FLUX.2 or Kontext model"}
+    problems = []
+    for key, (default, honoured) in ONLY.items():
+        if backend in honoured or key.startswith("dataset.") and "dataset" not in cfg:
+            continue
+        value = _plain(_get(cfg, key))
+        if value is None or value == default:
+            continue
+        whom = other[honoured[0]]
+        problems.append(
+            f"{key}={value}: model={model} trains on {trainer}, where flux-train does not use it (only {whom} "
+            f"does); remove it or choose such a model"
+        )
+    for (key, value), honoured in ONLY_VALUES.items():
+        if backend not in honoured and _get(cfg, key) == value:
+            problems.append(
+                f"{key}={value}: model={model} trains on {trainer}, which has no {value}; choose another "
+                f"{key.split('.')[-1]} (flux_shift for FLUX.1)"
+            )
+    if backend == MUSUBI:
+        kernels = str(_get(cfg, "kernels.set") or "auto")
+        if kernels not in KERNEL_SETS_WITHOUT_KERNELS:
+            problems.append(
+                f"kernels.set={kernels}: no flux-train kernels are installed for {trainer} models yet; use "
+                "kernels=auto or kernels=off"
+            )
+        module = str(_get(cfg, "network.module") or "")
+        if module and module != "networks.lora_flux":
+            problems.append(
+                f"network.module={module}: model={model} trains musubi-tuner's own LoRA module for it; use network=lora"
+            )
+    return problems

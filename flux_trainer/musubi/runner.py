@@ -1,0 +1,190 @@
+"""The training process for FLUX.2 and Kontext: musubi-tuner's two caching scripts, then its trainer, as one run.
+
+`accelerate launch -m flux_trainer.musubi.runner --run-dir DIR` (or the direct start) runs this. It reads
+`runner.json` (written by the parent), caches the latents and the text-encoder outputs, each with musubi-tuner's own
+script in a process of its own (flux_trainer.musubi.script: their models leave memory before training; their output
+goes to the same log), then trains in this process: the trainer script's own `main()` parses our TOML exactly as its
+command line would (`--config_file`, `--dataset_config`), and builds our subclass of its trainer class, which the
+module names while main runs. The subclass overrides only musubi-tuner's extension seams (hooks.py: metrics,
+progress). With several processes the main process caches and the others wait for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flux_trainer.backend.exit_record import EXIT_FILE
+from flux_trainer.metrics import progress
+
+log = logging.getLogger("flux_trainer.musubi.runner")
+RUNNER_SPEC = "runner.json"
+CACHED_MARK = ".musubi-cached"  # the main process has cached both: the other processes may train
+# the trainer class each training script's main() builds (musubi_tuner.<script>.<class>)
+TRAINER_CLASSES = {
+    "flux_2_train_network": "Flux2NetworkTrainer",
+    "flux_kontext_train_network": "FluxKontextNetworkTrainer",
+}
+
+
+@dataclass
+class RunnerSpec:
+    """What the parent tells the training process, beside musubi-tuner's own files."""
+
+    musubi_tuner: str  # the checkout
+    scripts: list[str]  # latents, text-encoder outputs, training (musubi_tuner module names)
+    cache_latents: list[str]  # each caching script's command line
+    cache_text_encoder: list[str]
+    train_toml: str
+    dataset_toml: str
+    max_steps: int | None = None
+    random_dit: str | None = None  # a random preset's DiT file: its shapes taught to musubi-tuner's loaders first
+    metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
+    backend: str = "musubi"
+
+    def write(self, run_dir: Path) -> Path:
+        path = run_dir / RUNNER_SPEC
+        path.write_text(json.dumps(self.__dict__, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunnerSpec:
+        return cls(**json.loads((run_dir / RUNNER_SPEC).read_text()))
+
+
+class StepFailed(RuntimeError):
+    """A caching script ended with an error (its own output, in the log, says why)."""
+
+
+def cache_step(spec: RunnerSpec, script: str, args: list[str], what: str) -> None:
+    """One caching script in a process of its own, its output into ours (the run's log)."""
+    progress.progress(phase=what)
+    began = time.monotonic()
+    random = ["--random-model", spec.random_dit] if spec.random_dit else []
+    command = [sys.executable, "-m", "flux_trainer.musubi.script", *random, spec.musubi_tuner, script, *args]
+    log.info("%s: %s", what, " ".join(command))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    code = subprocess.run(command, check=False).returncode
+    if code != 0:
+        raise StepFailed(f"{what} failed (musubi-tuner {script}, exit code {code}); its output is above in train.log")
+    log.info("%s: done in %.1f s", what, time.monotonic() - began)
+
+
+def cache_all(spec: RunnerSpec, run_dir: Path) -> None:
+    """Both caches, by the main process; the others wait for its mark (a failure there ends them too)."""
+    mark = run_dir / CACHED_MARK
+    if _is_main_process():
+        cache_step(spec, spec.scripts[0], spec.cache_latents, "caching latents")
+        cache_step(spec, spec.scripts[1], spec.cache_text_encoder, "caching the text encoder's outputs")
+        mark.write_text("done\n")
+        return
+    while not mark.exists():
+        if (run_dir / EXIT_FILE).exists():
+            raise StepFailed("the main process stopped before the caches were made")
+        time.sleep(1.0)
+
+
+def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
+    """Our subclass of musubi-tuner's trainer class, built against the checkout imported at run time."""
+    from flux_trainer.musubi.hooks import MusubiHooks
+
+    class FluxTrainMusubiTrainer(base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flux_train = MusubiHooks(spec.metrics, run_dir, spec.max_steps)
+
+        def on_train_start(self, args, accelerator, network, transformer, optimizer):
+            super().on_train_start(args, accelerator, network, transformer, optimizer)
+            self._flux_accelerator = accelerator
+            self.flux_train.train_start(args, accelerator)
+
+        def process_batch(self, *args, **kwargs):
+            self.flux_train.batch_arrived()
+            return super().process_batch(*args, **kwargs)
+
+        def on_post_optimizer_step(self, args, accelerator, network, transformer, sync_gradients, global_step):
+            super().on_post_optimizer_step(args, accelerator, network, transformer, sync_gradients, global_step)
+            self.flux_train.step_done(accelerator, sync_gradients, global_step)
+
+        def extra_step_logs(self, args, logs):
+            extra = dict(super().extra_step_logs(args, logs))
+            extra.update(self.flux_train.step_logs(self._flux_accelerator, logs))
+            return extra
+
+        def train(self, args):
+            try:
+                return super().train(args)
+            finally:
+                self.flux_train.finished()
+
+    return FluxTrainMusubiTrainer
+
+
+def train(spec: RunnerSpec, run_dir: Path) -> None:
+    """musubi-tuner's training script's main() with our TOML, building our trainer subclass."""
+    from flux_trainer.backend.tv_shim import install_torchvision_shim
+    from flux_trainer.musubi.checkout import argv, import_module
+
+    progress.progress(phase="loading the model")
+    install_torchvision_shim()
+    script = spec.scripts[2]
+    module = import_module(spec.musubi_tuner, script)
+    name = TRAINER_CLASSES[script]
+    base = getattr(module, name)
+    if spec.random_dit:
+        from flux_trainer.musubi.random_model import install_random_model, uninstall_random_model
+
+        for line in install_random_model(spec.random_dit):
+            log.info("random model preset: %s", line)
+    setattr(module, name, make_trainer_class(base, spec, run_dir))  # main() builds the class it names
+    try:
+        with argv(f"{script}.py", ["--config_file", spec.train_toml, "--dataset_config", spec.dataset_toml]):
+            module.main()
+    finally:
+        setattr(module, name, base)
+        if spec.random_dit:
+            uninstall_random_model()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="flux_trainer.musubi.runner", description=__doc__)
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ns = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = RunnerSpec.read(ns.run_dir)
+    code, reason = 1, "crashed"
+    try:
+        cache_all(spec, ns.run_dir)
+        train(spec, ns.run_dir)
+        code, reason = 0, "finished"
+    except StepFailed as exc:
+        code, reason = 1, str(exc)
+        log.error("%s", reason)
+    except KeyboardInterrupt:
+        code, reason = 130, "interrupted (SIGINT); musubi-tuner keeps no partial state flux-train resumes yet"
+        log.warning("%s", reason)
+    finally:
+        if _is_main_process():
+            try:
+                (ns.run_dir / EXIT_FILE).write_text(json.dumps({"code": code, "reason": reason}) + "\n")
+            except OSError as exc:
+                log.warning("exit record not written (%s): %s", EXIT_FILE, exc)
+    return code
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

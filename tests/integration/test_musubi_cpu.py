@@ -1,0 +1,108 @@
+"""FLUX.2 klein and Kontext through musubi-tuner, end to end on the CPU: `flux-train +dataset=tiny
+model=random_flux2_klein_tiny train.max_steps=2` (and the Kontext one, whose dataset names reference images) caches
+latents and text-encoder outputs with musubi-tuner's scripts, trains 2 steps in one run dir with one progress
+display, and writes a LoRA of musubi-tuner's module with our TensorBoard tags beside its loss (issue 61)."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors import safe_open
+
+from flux_trainer.config import ConfigError
+from flux_trainer.metrics.tensorboard import read_scalars, read_texts
+from flux_trainer.musubi.checkout import locate
+from tests.integration.tiny_run import CHECKOUT, flux_train, fresh_env, newest_run, tiny_dataset
+
+pytestmark = [pytest.mark.musubi, pytest.mark.sd_scripts]
+try:
+    MUSUBI, WHY = locate(), ""
+except ConfigError as exc:  # pragma: no cover - depends on the machine
+    MUSUBI, WHY = None, str(exc)
+OUR_TAGS = ("vram/peak_gib", "vram/allocated_gib", "time/step_s", "time/data_s", "throughput/images_per_s")
+
+
+def need_checkouts() -> None:
+    if MUSUBI is None:
+        pytest.skip(f"needs a musubi-tuner checkout: {WHY}")
+    if CHECKOUT is None:  # the Kontext preset's files are sd-scripts' random set, written with its code
+        pytest.skip("needs an sd-scripts checkout (the random sets are written with its code)")
+
+
+def musubi_env(work):
+    env = fresh_env(work)
+    env["FLUX_TRAIN_MUSUBI_TUNER"] = str(MUSUBI.path)
+    return env
+
+
+def references(work, n=4):
+    from PIL import Image
+
+    refs = work / "refs"
+    refs.mkdir()
+    for i in range(n):
+        Image.new("RGB", (128, 128), (200, 40 * i % 256, 30)).save(refs / f"im{i}.jpg")
+    return refs
+
+
+def check_run(work, module: str, arch: str) -> dict:
+    run = newest_run(work)
+    assert run is not None
+    lora = run / "tiny.safetensors"
+    assert lora.is_file(), sorted(p.name for p in run.iterdir())
+    with safe_open(str(lora), "pt") as f:
+        keys, meta = list(f.keys()), f.metadata()
+    assert meta["ss_network_module"] == module and meta["ss_base_model_version"] == arch
+    assert any(k.startswith("lora_unet_double_blocks_0_") and k.endswith("lora_down.weight") for k in keys)
+    for name in ("musubi_tuner.toml", "dataset.toml", "command.txt", "runner.json", "train.log", "env.json"):
+        assert (run / name).is_file(), name
+    (events,) = {p.parent for p in (run / "tb").rglob("events.out.tfevents.*")}
+    scalars = read_scalars(events)
+    assert [s for s, _ in scalars["loss/current"]] == [1, 2]
+    for tag in OUR_TAGS:
+        assert [s for s, _ in scalars[tag]] == [1, 2], tag
+    assert all(v > 0 for _, v in scalars["time/step_s"])
+    assert {"run/config", "run/command"} <= set(read_texts(events))
+    return scalars
+
+
+def test_flux2_klein_tiny_trains_two_steps_through_musubi_tuner(tmp_path):
+    need_checkouts()
+    tiny_dataset(tmp_path, extra="trigger: ohwx\n")
+    got = flux_train(tmp_path, "+dataset=tiny", "model=random_flux2_klein_tiny", "train.max_steps=2",
+                     env=musubi_env(tmp_path))  # fmt: skip
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    out = got.stdout
+    assert "kernels: none installed for musubi-tuner models yet" in out
+    assert "caching latents" in out and "caching the text encoder's outputs" in out and "step 2/2" in out
+    check_run(tmp_path, "networks.lora_flux_2", "flux_2_klein_4b")
+    captions = list((tmp_path / "cache" / "musubi").glob("tiny-*/images/im0.txt"))
+    assert captions and captions[0].read_text() == "ohwx, a flat colour square number 0"
+
+
+def test_kontext_tiny_trains_two_steps_with_its_references(tmp_path):
+    need_checkouts()
+    refs = references(tmp_path)
+    tiny_dataset(tmp_path, extra=f"control_images: {refs}\n")
+    got = flux_train(tmp_path, "+dataset=tiny", "model=random_kontext_tiny", "train.max_steps=2",
+                     env=musubi_env(tmp_path))  # fmt: skip
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    check_run(tmp_path, "networks.lora_flux", "flux_kontext")
+    log = (newest_run(tmp_path) / "train.log").read_text()
+    assert "4 images have 1 control images" in log  # musubi-tuner paired every image with its reference
+    (cache,) = (tmp_path / "cache" / "musubi").glob("tiny-*/cache-*")
+    latents = [p for p in cache.glob("im0_*.safetensors") if not p.name.endswith("_te.safetensors")]
+    with safe_open(str(latents[0]), "pt") as f:
+        assert any(k.startswith("latents_control_") for k in f.keys())
+
+
+def test_a_kontext_dataset_whose_references_match_no_image_is_refused_before_anything_is_made(tmp_path):
+    need_checkouts()
+    refs = references(tmp_path)
+    (refs / "im3.jpg").rename(refs / "im9.jpg")
+    tiny_dataset(tmp_path, extra=f"control_images: {refs}\n")
+    got = flux_train(tmp_path, "+dataset=tiny", "model=random_kontext_tiny", "train.max_steps=2",
+                     env=musubi_env(tmp_path))  # fmt: skip
+    assert got.returncode == 2
+    assert "match no image" in got.stderr + got.stdout and "im9.jpg" in got.stderr + got.stdout
+    assert "Traceback" not in got.stderr
+    assert newest_run(tmp_path) is None
