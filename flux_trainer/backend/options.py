@@ -33,6 +33,7 @@ ONLY: dict[str, tuple[Any, tuple[str, ...]]] = {
     "train.validate_every_n_steps": (None, (SDSCRIPTS,)),
     "dataset.validation_split": (0.0, (SDSCRIPTS,)),
     "dataset.alpha_mask": (False, (SDSCRIPTS,)),
+    "dataset.masks": (None, (SDSCRIPTS,)),
     "dataset.caption_dropout_rate": (0.0, (SDSCRIPTS,)),
     "dataset.flip_aug": (False, (SDSCRIPTS,)),
     "dataset.keep_tokens": (0, (SDSCRIPTS,)),
@@ -91,6 +92,13 @@ def refusals(cfg: Any, backend: str, model: str) -> list[str]:
                 f"{key.split('.')[-1]} (flux_shift for FLUX.1)"
             )
     if backend == MUSUBI:
+        for i, subset in enumerate(_get(cfg, "dataset.subsets") or []):
+            for key, default in (("alpha_mask", None), ("masks", None)):
+                if subset.get(key) not in (default, False):
+                    problems.append(
+                        f"dataset.subsets[{i}].{key}={subset.get(key)}: model={model} trains on {trainer}, which "
+                        "has no masked loss; remove it or choose a FLUX.1 or Chroma model"
+                    )
         kernels = str(_get(cfg, "kernels.set") or "auto")
         if kernels not in KERNEL_SETS_WITHOUT_KERNELS:
             problems.append(

@@ -39,6 +39,10 @@ def dispatch(argv: list[str]) -> int:
         "--images", required=True, type=Path, action="append", help="folder of images with .txt captions (repeatable)"
     )
     init.add_argument("--reg", type=Path, action="append", default=[], help="folder of regularisation images")
+    init.add_argument(
+        "--masks", type=Path, action="append", default=[],
+        help="folder of loss masks named as the images (white: learned); the Nth goes with the Nth --images",
+    )  # fmt: skip
     init.add_argument("--trigger", help="word put in front of every caption (and the caption of uncaptioned images)")
     init.add_argument("--resolution", default="1024", help="a resolution, or several: 512,768,1024")
     init.add_argument("--repeats", type=int, default=10)

@@ -169,8 +169,9 @@ def dataset_init(ns: argparse.Namespace) -> int:
     )
     resolutions = parse_resolutions(ns.resolution)
     resolution = resolutions[0] if len(resolutions) == 1 else resolutions
+    masks = mask_folders(ns)
     if len(ns.images) > 1 or ns.reg:
-        path = init_subsets(ns, config_dir, resolution)
+        path = init_subsets(ns, config_dir, resolution, masks)
         print(f"wrote {path}\nnext: flux-train +dataset={ns.name} dry_run=true")
         return 0
     ns.images = ns.images[0]
@@ -187,12 +188,38 @@ def dataset_init(ns: argparse.Namespace) -> int:
         repeats=ns.repeats,
         force=ns.force,
         report=report,
+        extra={"masks": masks[0]} if masks else None,
     )
     print(f"wrote {path}\nnext: flux-train +dataset={ns.name} dry_run=true")
     return 0
 
 
-def init_subsets(ns: argparse.Namespace, config_dir: Path, resolution: int | list[int]) -> Path:
+def mask_folders(ns: argparse.Namespace) -> list[str]:
+    """`--masks` folders, the Nth for the Nth `--images`, each matched to its images (data.masks) as a launch will:
+    every problem in one refusal, before anything is written; the notes printed."""
+    from flux_trainer.data.check import check_folder
+    from flux_trainer.data.masks import match_masks
+
+    if not ns.masks:
+        return []
+    if len(ns.masks) > len(ns.images):
+        raise ConfigError(f"{len(ns.masks)} --masks for {len(ns.images)} --images: give one per --images, in order")
+    problems = []
+    for images, masks in zip(ns.images, ns.masks, strict=False):
+        if not Path(images).expanduser().is_dir():
+            continue  # describe_folder names it
+        matched = match_masks(check_folder(Path(images).expanduser()), Path(masks).expanduser(), "--masks")
+        problems += matched.problems
+        for note in matched.notes:
+            print(note)
+    if problems:
+        raise ConfigError(problems)
+    return [str(Path(m).expanduser().resolve()) for m in ns.masks]
+
+
+def init_subsets(
+    ns: argparse.Namespace, config_dir: Path, resolution: int | list[int], masks: list[str] | None = None
+) -> Path:
     """`dataset init` with several `--images` or a `--reg`: every folder described and checked, then one config
     listing them as subsets. Reg folders take no trigger word: their images need captions of their own."""
     if ns.caption:
@@ -229,6 +256,8 @@ def init_subsets(ns: argparse.Namespace, config_dir: Path, resolution: int | lis
             entry["is_reg"] = True
         elif ns.trigger:
             entry["trigger"] = ns.trigger
+        if not is_reg and len(subsets) < len(masks or []):
+            entry["masks"] = (masks or [])[len(subsets)]
         subsets.append(entry)
     body = [
         f"# flux-train +dataset={ns.name}",

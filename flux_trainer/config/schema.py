@@ -57,6 +57,7 @@ class SubsetConfig:
     caption_dropout_rate: float | None = None
     is_reg: bool = False  # regularisation images, their loss weighted by train.prior_loss_weight
     alpha_mask: bool | None = None
+    masks: str | None = None  # a folder of loss masks named as the images (white: learned, black: not)
 
 
 @dataclass
@@ -72,6 +73,8 @@ class DatasetConfig:
     control_images: str | None = None
     # masked loss from each image's alpha channel (opaque: learned, transparent: not); every image needs one
     alpha_mask: bool = False
+    # masked loss from a folder of mask images named as the images (white: learned, black: not; data/masks.py)
+    masks: str | None = None
     repeats: int = 10
     caption_extension: str = ".txt"
     enable_bucket: bool = True  # aspect-ratio buckets, so images are not cropped square

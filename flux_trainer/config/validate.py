@@ -191,7 +191,8 @@ def _check_subsets(d: DictConfig, problems: list[str]) -> None:
             problems.append(f"{key}.images={s.images}: listed twice; list each folder once (repeats weights it)")
         seen.add(str(folder.absolute()))
         alpha = d.alpha_mask if s.get("alpha_mask") is None else s.alpha_mask
-        _check_folder(d, f"{key}.images", folder, problems, bool(alpha))
+        _check_folder(d, f"{key}.images", folder, problems, bool(alpha) and not s.get("masks"))
+        _check_masks(f"{key}.masks", s.get("masks"), problems)
     if all(s.is_reg for s in d.subsets):
         problems.append(f"dataset '{d.name}': every subset has is_reg: true; add a folder of the images to learn")
 
@@ -216,7 +217,17 @@ def _check_dataset(d: DictConfig, problems: list[str]) -> None:
             f"dataset '{d.name}' has no images: add images: /path/to/your/images (or subsets: a list of folders)"
         )
     else:
-        _check_folder(d, "dataset.images", Path(d.images).expanduser(), problems, bool(d.alpha_mask))
+        _check_folder(d, "dataset.images", Path(d.images).expanduser(), problems, bool(d.alpha_mask) and not d.masks)
+    if d.subsets and d.get("masks"):
+        problems.append(f"dataset.masks={d.masks}: with subsets each folder names its own masks; move it to its subset")
+    elif not d.subsets:
+        _check_masks("dataset.masks", d.get("masks"), problems)
+
+
+def _check_masks(key: str, masks: str | None, problems: list[str]) -> None:
+    """A mask folder that is not there (its files are matched to the images at launch: data/masks.py)."""
+    if masks is not None and not Path(masks).expanduser().is_dir():
+        problems.append(f"{key}={masks} does not exist; set it to the folder of your mask images (named as the images)")
 
 
 # Keys removed because their measured effect was nil (the measurements stay in docs): one release of warning.

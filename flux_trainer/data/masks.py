@@ -79,13 +79,13 @@ def match_masks(check: FolderCheck, masks_folder: Path, key: str = "dataset.mask
         path = out.folder / names[0]
         size = _mask_size(path)
         if isinstance(size, str):
-            out.problems.append(f"{path}: {size}")
+            out.problems.append(f"{key}: {path}: {size}")
             continue
         result = check.images[images[stem]]
         if not same_shape(size, (result.width, result.height)):
             out.problems.append(
-                f"{path}: {size[0]}x{size[1]}, but {images[stem]} is {result.width}x{result.height} (as shown); "
-                f"make the mask the image's size"
+                f"{key}: {path} is {size[0]}x{size[1]}, but {images[stem]} is {result.width}x{result.height} "
+                "(as shown); make the mask the image's size"
             )
             continue
         out.masks[images[stem]] = path

@@ -238,6 +238,18 @@ def _bucket_problems(dataset: Any, check: Any) -> list[str]:
     return [line for line in found if line]
 
 
+def _masks(key: str, masks: str | None, check: Any, problems: list[str], notes: list[str]) -> dict[str, Path]:
+    """The images' masks (data.masks) where the folder names a mask folder; its problems and notes added."""
+    if not masks:
+        return {}
+    from flux_trainer.data.masks import match_masks
+
+    matched = match_masks(check, Path(str(masks)).expanduser(), key)
+    problems += matched.problems
+    notes += matched.notes
+    return matched.masks
+
+
 def _stage_keys(dataset: Any, model: Any, trigger: str | None, alpha_mask: bool = False) -> tuple[str, str]:
     te_key = json.dumps(
         [
@@ -277,8 +289,13 @@ def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tup
             f"dataset.validation_split={dataset.validation_split}: {trained + held - usable} of the {held} held-out "
             f"images also trains (sd-scripts' rounding of {usable} images)"
         )
-    te_key, latents_key = _stage_keys(dataset, model, dataset.trigger, bool(dataset.get("alpha_mask")))
-    staged = stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key)
+    problems: list[str] = []
+    masks = _masks("dataset.masks", dataset.get("masks"), check, problems, notes)
+    if problems:
+        raise ConfigError(problems)
+    alpha = bool(dataset.get("alpha_mask") or masks)
+    te_key, latents_key = _stage_keys(dataset, model, dataset.trigger, alpha)
+    staged = stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key, masks)
     return staged, notes
 
 
@@ -313,8 +330,14 @@ def ready_all(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) ->
         if not subset.is_reg and (problem := _split_problem(dataset, len(check.usable()), 1)):
             raise ConfigError(f"{check.folder}: {problem}")
         notes += check.notes()
+    masks = [_masks(f"dataset.subsets[{i}].masks", s.masks, c, problems, notes) for i, (s, c) in
+             enumerate(zip(subsets, checks, strict=True))]  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
     staged = []
-    for subset, check in zip(subsets, checks, strict=True):
+    for subset, check, masked in zip(subsets, checks, masks, strict=True):
         te_key, latents_key = _stage_keys(dataset, model, subset.trigger, subset.alpha_mask)
-        staged.append(stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key))
+        staged.append(
+            stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key, masked)
+        )
     return staged, notes

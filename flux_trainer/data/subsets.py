@@ -20,7 +20,8 @@ class Subset:
     repeats: int
     caption_dropout_rate: float
     is_reg: bool = False
-    alpha_mask: bool = False
+    alpha_mask: bool = False  # the images' own alpha, or (with masks) the alpha flux-train makes from the masks
+    masks: str | None = None
 
 
 def subsets_of(d: Any) -> list[Subset]:
@@ -28,7 +29,9 @@ def subsets_of(d: Any) -> list[Subset]:
     listed = d.get("subsets") or []
     if not listed:
         rate = float(d.get("caption_dropout_rate") or 0.0)
-        return [Subset(str(d.images), d.trigger, int(d.repeats), rate, alpha_mask=bool(d.get("alpha_mask")))]
+        masks = d.get("masks")
+        alpha = bool(d.get("alpha_mask") or masks)
+        return [Subset(str(d.images), d.trigger, int(d.repeats), rate, alpha_mask=alpha, masks=masks)]
     out = []
     for s in listed:
         is_reg = bool(s.get("is_reg", False))
@@ -37,6 +40,7 @@ def subsets_of(d: Any) -> list[Subset]:
             trigger = d.trigger
         repeats = s.get("repeats")
         rate = s.get("caption_dropout_rate")
+        alpha = d.get("alpha_mask") if s.get("alpha_mask") is None else s.alpha_mask
         out.append(
             Subset(
                 images=str(s.images),
@@ -44,7 +48,8 @@ def subsets_of(d: Any) -> list[Subset]:
                 repeats=int(d.repeats if repeats is None else repeats),
                 caption_dropout_rate=float(d.get("caption_dropout_rate") or 0.0 if rate is None else rate),
                 is_reg=is_reg,
-                alpha_mask=bool(d.get("alpha_mask") if s.get("alpha_mask") is None else s.alpha_mask),
+                alpha_mask=bool(s.get("masks") or alpha),
+                masks=s.get("masks"),
             )
         )
     return out

@@ -270,7 +270,9 @@ def subset_table(d: DictConfig, subset: Subset, staged: Path | None) -> Table:
         sub.add("caption_prefix", f"{subset.trigger},", "the trigger word starts every caption")
         sub.add("class_tokens", "", "images without a caption file get the trigger word alone")
     sub.add("flip_aug", bool(d.flip_aug))
-    if subset.alpha_mask:
+    if subset.masks:
+        sub.add("alpha_mask", True, f"masked loss: the staged images carry {subset.masks}'s masks as alpha")
+    elif subset.alpha_mask:
         sub.add("alpha_mask", True, "masked loss: the alpha channel says where to learn (transparent: nowhere)")
     if subset.caption_dropout_rate:
         sub.add("caption_dropout_rate", subset.caption_dropout_rate, "steps trained on an empty caption")

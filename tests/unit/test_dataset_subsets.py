@@ -214,3 +214,88 @@ def test_the_disk_estimate_counts_latents_at_every_resolution(compose):
     row = doctor_disk.disk_check(compose("+dataset=mychar", "model=random_tiny", "dataset.resolution=[512,1024]"))
     latents = doctor_disk.latent_bytes(512) + doctor_disk.latent_bytes(1024)
     assert row.data["need_bytes"] == 3 * (latents + doctor_disk.text_bytes(32)), row.evidence
+
+
+def _masks_for(images, folder, names=None, size=(96, 64)):
+    """A mask per image of `images` (or the given names): the left half white (learned), the right half black."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names or [p.stem + ".png" for p in sorted(images.glob("*.png"))]:
+        m = Image.new("L", size, 0)
+        m.paste(255, (0, 0, size[0] // 2, size[1]))
+        m.save(folder / name)
+    return folder
+
+
+def test_a_mask_folder_trains_its_subset_with_the_masks_as_alpha(workdir, capsys):
+    """`masks:` on a subset: the staged images carry the masks as alpha, that subset alone gets alpha_mask, the
+    user's folders are untouched; the single-folder form takes `masks:` too."""
+    from PIL import Image
+
+    close, full, reg = write_multi(workdir)
+    masks = _masks_for(close, workdir / "pics" / "masks")
+    before = snapshot(close, full, reg, masks)
+    assert main(["+dataset=multi", "dry_run=true", f"dataset.subsets.0.masks={masks}"]) == 0, capsys.readouterr().err
+    (run,) = run_dirs(workdir)
+    for d in tomli.loads((run / "dataset.toml").read_text())["datasets"]:
+        assert [s.get("alpha_mask") for s in d["subsets"]] == [True, None, None]
+        staged = d["subsets"][0]["image_dir"]
+    from pathlib import Path
+
+    with Image.open(Path(staged) / "img1.png") as im:
+        assert im.mode == "RGBA" and im.getchannel("A").getpixel((5, 5)) == 255
+        assert im.getchannel("A").getpixel((90, 5)) == 0
+    assert snapshot(close, full, reg, masks) == before
+    write_dataset_single = workdir / "configs" / "dataset" / "one.yaml"
+    write_dataset_single.write_text(f"name: one\nimages: {close}\ntrigger: ohwx\nresolution: 512\nmasks: {masks}\n")
+    assert main(["+dataset=one", "dry_run=true"]) == 0, capsys.readouterr().err
+    run = max(run_dirs(workdir), key=lambda p: p.stat().st_mtime)
+    (d,) = tomli.loads((run / "dataset.toml").read_text())["datasets"]
+    assert d["subsets"][0]["alpha_mask"] is True
+
+
+@pytest.mark.parametrize(
+    ("setup", "needle"),
+    [
+        (lambda close, m: _masks_for(close, m, ["img0.png", "typo.png"]), "match no image of"),
+        (lambda close, m: _masks_for(close, m, ["img0.png"], size=(64, 64)), "make the mask the image's size"),
+        (lambda close, m: None, "does not exist; set it to the folder of your mask images"),
+    ],
+)
+def test_bad_mask_folders_are_refused_in_one_line_exit_2_nothing_made(setup, needle, workdir, capsys):
+    close, _, _ = write_multi(workdir)
+    masks = workdir / "pics" / "masks"
+    setup(close, masks)
+    assert main(["+dataset=multi", "dry_run=true", f"dataset.subsets.0.masks={masks}"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "dataset.subsets[0].masks" in err and err.strip().count("\n") == 0, err
+    assert run_dirs(workdir) == [] and not (workdir / "cache" / "datasets").exists()
+
+
+def test_masks_on_a_flux2_model_are_refused(workdir, capsys):
+    close, _, _ = write_multi(workdir)
+    masks = _masks_for(close, workdir / "pics" / "masks")
+    args = ["+dataset=multi", "dry_run=true", "model=random_flux2_klein_tiny", f"dataset.subsets.0.masks={masks}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "dataset.subsets[0].masks" in err and "no masked loss" in err
+
+
+def test_dataset_init_with_masks_writes_them_beside_their_images_and_refuses_bad_ones(workdir, capsys):
+    a = make_images(workdir / "a", n=2)
+    b = make_images(workdir / "b", n=2)
+    masks = _masks_for(a, workdir / "ma")
+    assert main(["dataset", "init", "both", "--images", str(a), "--images", str(b), "--masks", str(masks)]) == 0
+    assert main(["+dataset=both", "dry_run=true"]) == 0, capsys.readouterr().err
+    (run,) = run_dirs(workdir)
+    subs = tomli.loads((run / "dataset.toml").read_text())["datasets"][0]["subsets"]
+    assert [s.get("alpha_mask") for s in subs] == [True, None]
+    assert main(["dataset", "init", "one", "--images", str(a), "--masks", str(masks), "--trigger", "x"]) == 0
+    assert f"masks: {json.dumps(str(masks.resolve()))}" in (workdir / "configs" / "dataset" / "one.yaml").read_text()
+    _masks_for(a, workdir / "bad", ["nothing.png"])
+    capsys.readouterr()
+    assert main(["dataset", "init", "bad", "--images", str(a), "--masks", str(workdir / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "match no image" in err and err.strip().count("\n") == 0
+    assert not (workdir / "configs" / "dataset" / "bad.yaml").exists()
