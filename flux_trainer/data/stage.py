@@ -230,7 +230,9 @@ def _bucket_problems(dataset: Any, check: Any) -> list[str]:
     from flux_trainer.data.buckets import bucket_problem
     from flux_trainer.data.subsets import resolutions_of
 
-    if not (dataset.get("enable_bucket", True) and dataset.get("bucket_no_upscale", True)):
+    if dataset.get("resolution") is None or not (
+        dataset.get("enable_bucket", True) and dataset.get("bucket_no_upscale", True)
+    ):
         return []
     sizes = {n: (r.width, r.height) for n, r in check.images.items() if r.problem is None}
     where = f"dataset '{dataset.name}' ({check.folder})"
