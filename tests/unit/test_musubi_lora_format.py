@@ -335,3 +335,20 @@ def test_musubi_tuners_converter_still_misnames_flux_attention_which_is_why_we_m
         for ab in "AB":
             name = f"diffusion_model.{key}.lora_{ab}.weight"
             torch.testing.assert_close(ours[name].float(), theirs[name].float(), rtol=1e-2, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------- the run's key
+def test_train_comfy_copy_reaches_the_runner_and_is_refused_where_sd_scripts_trains(workdir, compose):
+    from flux_trainer.cli import main
+    from flux_trainer.config.validate import validate
+    from flux_trainer.musubi.runner import RunnerSpec
+
+    assert main(["+dataset=mychar", "model=random_flux2_klein_tiny", "dry_run=true"]) == 0
+    assert main(["+dataset=mychar", "model=random_flux2_klein_tiny", "dry_run=true", "train.comfy_copy=false"]) == 0
+    on, off = (RunnerSpec.read(p) for p in sorted((workdir / "runs" / "mychar").iterdir()))
+    assert on.comfy_copy is True and off.comfy_copy is False
+    assert on.lora and on.lora.endswith("/mychar.safetensors")
+    with pytest.raises(ConfigError) as info:
+        validate(compose("+dataset=mychar", "model=random_tiny", "train.comfy_copy=false"))
+    (line,) = [p for p in info.value.problems if p.startswith("train.comfy_copy=False")]
+    assert "sd-scripts" in line and "remove it" in line
