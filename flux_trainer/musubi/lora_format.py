@@ -1,4 +1,4 @@
-"""A copy of a FLUX.2 / Kontext LoRA in the keys ComfyUI and diffusers load, written beside musubi-tuner's own file.
+"""A copy of a FLUX.2 / Kontext LoRA in the keys ComfyUI (and diffusers, for FLUX.2) load, beside musubi-tuner's file.
 
 musubi-tuner saves kohya's format: `lora_unet_<module, dots as underscores>.lora_down.weight`, `.lora_up.weight`
 and `.alpha`. Its converter (`convert_lora.py --target other`) is meant to write the `diffusion_model.<module>.lora_A
@@ -52,6 +52,8 @@ class LoraFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Converted:
+    """The copy's tensors, and how many trained modules they hold (two keys each: nothing dropped)."""
+
     tensors: dict[str, Any]
     modules: int  # trained modules, each now two keys
 
