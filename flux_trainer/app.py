@@ -407,7 +407,13 @@ def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
         final = prepared.run_dir / f"{cfg.train.output_name}.safetensors"
         done = view.summary()
         say(f"done in {_took(time.time() - began)}" + (f": {done}" if done else ""))
-        say(f"LoRA: {final if final.is_file() else '(none written)'}")
+        if prepared.backend == MUSUBI and final.is_file():
+            from flux_trainer.musubi.lora_format import summary_lines
+
+            for line in summary_lines(final, str(cfg.model.model_type)):
+                say(line)
+        else:
+            say(f"LoRA: {final if final.is_file() else '(none written)'}")
         say(f"log: {log_path}; TensorBoard: tensorboard --logdir {root}")
     return code
 

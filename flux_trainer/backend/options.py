@@ -20,6 +20,7 @@ ONLY: dict[str, tuple[Any, tuple[str, ...]]] = {
     "model.text_encoder": (None, (MUSUBI,)),
     "model.model_version": (None, (MUSUBI,)),
     "dataset.control_images": (None, (MUSUBI,)),
+    "train.comfy_copy": (True, (MUSUBI,)),  # sd-scripts' FLUX.1 file is the one ComfyUI loads: no copy to turn off
     # sd-scripts only (flux_trainer/sdscripts/translate.py maps them; the musubi backend does not)
     "network.train_blocks": ("all", (SDSCRIPTS,)),
     "network.split_qkv": (False, (SDSCRIPTS,)),

@@ -193,6 +193,9 @@ class SampleConfig:
 @dataclass
 class TrainConfig:
     output_name: str = MISSING
+    # FLUX.2 / Kontext only (musubi-tuner): also write NAME.comfy.safetensors, the LoRA in the diffusion_model lora_A/B
+    # keys ComfyUI (and diffusers for FLUX.2) load, beside musubi-tuner's own file (docs/models.md, "The LoRA file")
+    comfy_copy: bool = True
     max_steps: int | None = 1500
     max_epochs: int | None = None
     batch_size: int = 1

@@ -117,6 +117,8 @@ def write_files(cfg: DictConfig, run_dir: Path, folders: list[MusubiFolders], ch
         max_steps=cfg.train.max_steps,
         random_dit=str(cfg.model.flux) if cfg.model.get("random_preset") else None,
         metrics={"enabled": bool(cfg.logging.tensorboard), "images_per_step": int(cfg.train.batch_size)},
+        lora=str(run_dir / f"{cfg.train.output_name}.safetensors"),
+        comfy_copy=bool(cfg.train.comfy_copy),
     )
     spec.write(run_dir)
     random = f"--random-model {spec.random_dit} " if spec.random_dit else ""

@@ -49,6 +49,8 @@ class RunnerSpec:
     random_dit: str | None = None  # a random preset's DiT file: its shapes taught to musubi-tuner's loaders first
     metrics: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
     backend: str = "musubi"
+    lora: str | None = None  # the trained LoRA file (output_dir / output_name.safetensors)
+    comfy_copy: bool = False  # write its ComfyUI copy beside it after training (lora_format.py)
 
     def write(self, run_dir: Path) -> Path:
         path = run_dir / RUNNER_SPEC
@@ -155,6 +157,28 @@ def train(spec: RunnerSpec, run_dir: Path) -> None:
             uninstall_random_model()
 
 
+def comfy_copy_step(spec: RunnerSpec) -> None:
+    """The trained LoRA's copy in the keys ComfyUI loads (flux_trainer.musubi.lora_format), by the main process. A
+    LoRA the copy cannot name is a warning in the log, never a failed run: the trained file is whole either way."""
+    from flux_trainer.musubi.lora_format import LoraFormatError, musubi_hashes, write_comfy_copy
+
+    if not (spec.comfy_copy and spec.lora and _is_main_process()):
+        return
+    lora = Path(spec.lora)
+    if not lora.is_file():
+        log.warning("no ComfyUI copy: %s was not written", lora)
+        return
+    try:
+        copy, converted = write_comfy_copy(lora, hashes=musubi_hashes(spec.musubi_tuner))
+    except LoraFormatError as exc:
+        log.warning("no ComfyUI copy: %s", exc)
+        return
+    except Exception as exc:  # the training finished: a failed copy is a line in the log, not a failed run
+        log.warning("no ComfyUI copy: %s: %s", type(exc).__name__, exc)
+        return
+    log.info("ComfyUI copy: %s (%d modules, alpha folded in)", copy, converted.modules)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="flux_trainer.musubi.runner", description=__doc__)
     ap.add_argument("--run-dir", required=True, type=Path)
@@ -165,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cache_all(spec, ns.run_dir)
         train(spec, ns.run_dir)
+        comfy_copy_step(spec)
         code, reason = 0, "finished"
     except StepFailed as exc:
         code, reason = 1, str(exc)

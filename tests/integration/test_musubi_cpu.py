@@ -1,9 +1,12 @@
 """FLUX.2 klein and Kontext through musubi-tuner, end to end on the CPU: `flux-train +dataset=tiny
 model=random_flux2_klein_tiny train.max_steps=2` (and the Kontext one, whose dataset names reference images) caches
 latents and text-encoder outputs with musubi-tuner's scripts, trains 2 steps in one run dir with one progress
-display, and writes a LoRA of musubi-tuner's module with our TensorBoard tags beside its loss (issue 61)."""
+display, and writes a LoRA of musubi-tuner's module with our TensorBoard tags beside its loss, and its copy in the
+keys ComfyUI loads beside it (issue 61)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from safetensors import safe_open
@@ -18,6 +21,7 @@ try:
     MUSUBI, WHY = locate(), ""
 except ConfigError as exc:  # pragma: no cover - depends on the machine
     MUSUBI, WHY = None, str(exc)
+COMFY_KEY = re.compile(r"^diffusion_model\.(double|single)_blocks\.\d+\.[a-z0-9_.]+\.lora_[AB]\.weight$")
 OUR_TAGS = ("vram/peak_gib", "vram/allocated_gib", "time/step_s", "time/data_s", "throughput/images_per_s")
 
 
@@ -53,6 +57,14 @@ def check_run(work, module: str, arch: str) -> dict:
         keys, meta = list(f.keys()), f.metadata()
     assert meta["ss_network_module"] == module and meta["ss_base_model_version"] == arch
     assert any(k.startswith("lora_unet_double_blocks_0_") and k.endswith("lora_down.weight") for k in keys)
+    copy = run / "tiny.comfy.safetensors"  # the copy ComfyUI loads (flux_trainer/musubi/lora_format.py)
+    assert copy.is_file(), sorted(p.name for p in run.iterdir())
+    with safe_open(str(copy), "pt") as f:
+        copied, copy_meta = set(f.keys()), f.metadata()
+    trained = {k.split(".", 1)[0] for k in keys}
+    assert len(copied) == 2 * len(trained) and all(COMFY_KEY.match(k) for k in copied), sorted(copied)
+    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in copied
+    assert copy_meta["ss_network_module"] == module and copy_meta["sshs_model_hash"] != meta["sshs_model_hash"]
     for name in ("musubi_tuner.toml", "dataset.toml", "command.txt", "runner.json", "train.log", "env.json"):
         assert (run / name).is_file(), name
     (events,) = {p.parent for p in (run / "tb").rglob("events.out.tfevents.*")}
@@ -75,6 +87,7 @@ def test_flux2_klein_tiny_trains_two_steps_through_musubi_tuner(tmp_path):
     assert "kernels: none installed for musubi-tuner models yet" in out
     assert "caching latents" in out and "caching the text encoder's outputs" in out and "step 2/2" in out
     check_run(tmp_path, "networks.lora_flux_2", "flux_2_klein_4b")
+    assert "LoRA for ComfyUI: " in out and "tiny.comfy.safetensors (diffusion_model lora_A/B keys" in out
     captions = list((tmp_path / "cache" / "musubi").glob("tiny-*/images/im0.txt"))
     assert captions and captions[0].read_text() == "ohwx, a flat colour square number 0"
 
