@@ -146,6 +146,7 @@ class Continuation:
         self.loader: Any = None  # the prepared training DataLoader
         self.order: rng_state.EpochOrder | None = None  # its sampler, watched (batch order and generators per batch)
         self.fetched_ahead = False  # a stop honoured at a step's start: that step's batch is already fetched
+        self.step_rng: dict | None = None  # a resume's generators as at the start of its first step
         self.accelerator: Any = None
         self.stop_signal: str | None = None
         self.in_loop = False
@@ -234,7 +235,7 @@ class Continuation:
             loaders = [o for o in outs if hasattr(o, "skip_batches") and hasattr(o, "base_dataloader")]
             if loaders and self.loader is None:
                 self.loader = loaders[0]  # sd-scripts passes the training loader before the validation one
-                self.order = rng_state.install(self.loader)
+                self.order = rng_state.install(self.loader, lambda: self.offset * self.accumulation + self.micro)
             return result
 
         accelerator.save_state, accelerator.load_state, accelerator.prepare = save_state, load_state, prepared
@@ -262,13 +263,12 @@ class Continuation:
         dataset = getattr(self.loader, "dataset", None)
         if hasattr(dataset, "set_current_epoch"):
             dataset.set_current_epoch(epoch)  # sd-scripts shuffles its buckets once per epoch, seeded by epoch
-        exact = saved is not None and self.order is not None
-        if exact and skip == 0 and not saved.get("entry"):
-            rng_state.restore(saved["rng"])  # the epoch's loader is made, and its order drawn, from here
-        elif exact and skip == 0:
-            self.order.replay = saved  # the generators as the saved epoch drew its order
-        elif exact and int(saved.get("taken", -1)) == skip:
-            self.order.replay = saved  # the rest of the saved epoch's order
+        if saved is not None and self.order is not None and saved["at"] == "epoch" and skip == 0:
+            rng_state.restore(saved["rng"])  # the next epoch's loader is made, and its order drawn, from here
+        elif saved is not None and self.order is not None and int(saved["trained"]) == skip:
+            self.order.replay = saved  # the rest of the saved epoch
+            if saved["at"] == "step":
+                self.step_rng = saved["rng"]
         else:
             self.loader.skip_batches = skip  # a state without the record: a new order for this epoch
             log.warning("the state of step %d has no %s: the rest of its epoch is drawn anew", self.offset,
@@ -290,6 +290,9 @@ class Continuation:
                 self.loader.skip_batches = 0  # skipped once; later epochs start at their beginning
         if self.stop_signal is not None and self.micro % self.accumulation == 0:
             self.stop_now()
+        if self.step_rng is not None:
+            rng_state.restore(self.step_rng)  # the state's: as the stopped run's step would have started
+            self.step_rng = None
         self.micro += 1
 
     def stop_now(self) -> None:
@@ -315,8 +318,7 @@ class Continuation:
             result = write(partial)
             self._fix_train_state(partial, step)
             if self.order is not None:
-                workers = int(getattr(getattr(self.loader, "base_dataloader", self.loader), "num_workers", 0) or 0)
-                rng_state.write(partial, self.order.saved(self.fetched_ahead, workers))
+                rng_state.write(partial, self.order.saved(self.fetched_ahead))
             sizes = _fsync_tree(partial)
             marker = {"step": step, "epoch": self._epoch_of(partial), "saved_at": time.time(), "files": sizes}
             (partial / STATE_MARKER).write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from flux_trainer.sdscripts import rng_state
 from flux_trainer.sdscripts.compile_report import (
     CacheBypassReasons,
     CompileState,
@@ -69,8 +70,6 @@ class RunHooks:
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
         """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied. The generators
         are noted: sd-scripts builds its caches next (caches_ready)."""
-        from flux_trainer.sdscripts import rng_state
-
         self.startup.mark("model load")
         self._rng_before_caches = rng_state.snapshot()
 
@@ -80,8 +79,6 @@ class RunHooks:
         this a run that builds the caches and one that reuses them (plain sd-scripts after our run, in the bench)
         would train from different random states: LoRA init, data order and noise. Not a re-seed: whatever sd-scripts
         drew since its `set_seed` (its dataset's bucket shuffle) stays drawn, as in plain sd-scripts."""
-        from flux_trainer.sdscripts import rng_state
-
         self.startup.mark("caches")
         before = getattr(self, "_rng_before_caches", None)
         if before is None:
@@ -93,7 +90,8 @@ class RunHooks:
 
     def trainer_created(self, trainer: Any) -> None:
         """Our trainer subclass exists, train() is about to run: the kernels that change its own steps go in."""
-        self._trainer_kernels = install_trainer_kernels(trainer, self.spec.kernels)
+        with rng_state.untouched():  # a kernel's check draws nothing the run would have drawn
+            self._trainer_kernels = install_trainer_kernels(trainer, self.spec.kernels)
 
     def position_ids(self, build: Any, device: Any) -> Any:
         """What sd-scripts' `prepare_img_ids` should be during a step: with flux_prologue, the ids kept on `device`
@@ -122,11 +120,13 @@ class RunHooks:
         """sd-scripts just built the optimizer (before its LR scheduler wraps the step): optimizer kernels go in."""
         self.startup.mark("LoRA and optimizer")
         self._optimizer = optimizer
-        self._optimizer_kernels = install_optimizer_kernels(optimizer, self.spec.kernels)
+        with rng_state.untouched():
+            self._optimizer_kernels = install_optimizer_kernels(optimizer, self.spec.kernels)
         self.startup.mark("optimizer kernels")  # with their probe on the device
 
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
-        self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
+        with rng_state.untouched():  # probes and checks: kernels=auto draws what kernels=off draws
+            self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
         self.startup.mark("kernels")
         self._unet = unet
         if "compile_blocks" in self.kernels_installed:

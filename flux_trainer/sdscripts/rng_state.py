@@ -8,14 +8,16 @@ NumPy's (the dataset's augmentations). Nothing here re-seeds; what is kept is on
 
 - `snapshot` / `restore`: every generator the step draws from (torch CPU and CUDA, NumPy, Python).
 - `EpochOrder`: the training loader's sampler, watched. Each epoch it draws its order as the sampler it wraps would
-  (from the global generator, at the same moment), and remembers the order and the state before each batch was
-  fetched. A state saves that (`STATE_FILE`); the resumed run hands out the rest of the saved epoch's order and puts
-  the generators back where they were before the next batch was fetched, so the steps after the resume draw what
-  the run would have drawn.
+  (from the global generator, at the same moment), and remembers the order and the generators before each batch was
+  fetched. A state saves that (`STATE_FILE`); the resumed run hands out the rest of the saved epoch's order, fetches
+  each batch from the generators it was fetched from, and puts the generators back as they were at the save before
+  the event that came next (a fetch, the step, the next epoch), so the steps after the resume draw what the run
+  would have drawn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from collections.abc import Iterator
@@ -53,16 +55,34 @@ def restore(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextlib.contextmanager
+def untouched() -> Iterator[None]:
+    """The generators as they were before the block, whatever it drew (a kernel's probe, its check)."""
+    before = snapshot()
+    try:
+        yield
+    finally:
+        restore(before)
+
+
 class EpochOrder:
     """Stands in for the training loader's sampler (`BatchSampler.sampler`): the same indices, drawn the same way and
-    at the same moment, with what a state needs to replay the rest of the epoch recorded on the way."""
+    at the same moment, with what a state needs to replay the rest of the epoch recorded on the way.
 
-    def __init__(self, sampler: Any) -> None:
+    accelerate's loader fetches one batch ahead of the step (it looks for the epoch's end), and with no workers the
+    fetch draws in this process (the dataset's augmentations; sd-scripts' bucket shuffle re-seeds Python's
+    generator at an epoch's first fetch). So a state records, besides the order: the generators before each batch
+    handed out but not yet trained was fetched, and the generators now, with the event they belong before: the next
+    fetch ("fetch"), the next step ("step": the epoch's batches all fetched, or a stop honoured at a step's start) or
+    the next epoch's loader ("epoch": the epoch all trained)."""
+
+    def __init__(self, sampler: Any, trained: Any) -> None:
         self.sampler = sampler
+        self.trained = trained  # () -> micro-batches this run has trained (a resumed run's included)
         self.order: list[int] = []  # this epoch's indices
         self.taken = 0  # indices of this epoch handed to the loader
-        self.entry: dict[str, Any] | None = None  # the generators before this epoch's order was drawn
-        self.before_last: dict[str, Any] | None = None  # ... before the last index was handed out (its batch fetched)
+        self.started = 0  # micro-batches trained before this epoch's first
+        self.fetches: dict[int, dict[str, Any]] = {}  # position in the epoch (1-based) -> generators before its fetch
         self.replay: dict[str, Any] | None = None  # set by a resume: applied by the next epoch
 
     def __len__(self) -> int:
@@ -75,35 +95,46 @@ class EpochOrder:
 
     def __iter__(self) -> Iterator[int]:
         replay, self.replay = self.replay, None
-        if replay is not None and replay.get("entry"):  # the epoch starts where the saved run's did
-            restore(replay["rng"])
-            replay = None
-        self.entry = snapshot()
+        self.fetches = {}
         if replay is None:
             self.order, self.taken = [int(i) for i in self.sampler], 0  # the sampler's draws, all at its first index
-            pending = None
-        else:  # the rest of the saved epoch, the generators as they were before its next batch was fetched
-            self.order, self.taken, pending = [int(i) for i in replay["order"]], int(replay["taken"]), replay["rng"]
+            self.started = self.trained()
+            fetches, before_next = {}, None
+        else:  # the rest of the saved epoch, each batch fetched from the generators it was fetched from
+            self.order, self.taken = [int(i) for i in replay["order"]], int(replay["trained"])
+            self.started = self.trained() - self.taken
+            fetches = replay["fetch"]
+            before_next = replay["rng"] if replay["at"] == "fetch" else None
+            next_fetch = int(replay["taken"]) + 1
         while self.taken < len(self.order):
-            if pending is not None:
-                restore(pending)
-                pending = None
-            self.before_last = snapshot()
-            self.taken += 1
-            yield self.order[self.taken - 1]
+            position = self.taken + 1
+            if position in fetches:
+                restore(fetches[position])
+            elif before_next is not None and position == next_fetch:
+                restore(before_next)
+            self.fetches[position] = snapshot()
+            for old in [p for p in self.fetches if p < position - 16]:  # only batches fetched ahead are asked for
+                del self.fetches[old]
+            self.taken = position
+            yield self.order[position - 1]
 
     # ---- states ---------------------------------------------------------------------------------------------------
-    def saved(self, fetched_ahead: bool, workers: int) -> dict[str, Any]:
-        """What a state saved now records. `fetched_ahead`: the next step's batch was already fetched (a stop request
-        honoured at the start of that step): the state is the one before that fetch."""
-        if fetched_ahead and self.taken == 1 and self.entry is not None:
-            return {"entry": True, "rng": self.entry}  # that batch began an epoch: replay the epoch's own draw
-        if fetched_ahead and workers == 0 and self.before_last is not None:
-            return {"entry": False, "order": self.order, "taken": self.taken - 1, "rng": self.before_last}
-        return {"entry": False, "order": self.order, "taken": self.taken, "rng": snapshot()}
+    def saved(self, at_step_start: bool) -> dict[str, Any]:
+        """What a state saved now records. `at_step_start`: a stop honoured at the start of a step, its batch (and
+        the one after) already fetched: the state is the one after the steps trained, before that step."""
+        trained = self.trained() - self.started  # of this epoch
+        if at_step_start or (self.taken == len(self.order) and trained < self.taken):
+            at = "step"
+        elif trained >= len(self.order):
+            at = "epoch"
+        else:
+            at = "fetch"
+        fetch = {p: s for p, s in self.fetches.items() if trained < p <= self.taken}
+        return {"order": self.order, "trained": trained, "taken": self.taken, "fetch": fetch, "rng": snapshot(),
+                "at": at}  # fmt: skip
 
 
-def install(loader: Any) -> EpochOrder | None:
+def install(loader: Any, trained: Any) -> EpochOrder | None:
     """Put an `EpochOrder` in place of the prepared training loader's sampler (None where none is found)."""
     import torch.utils.data as tud
 
@@ -114,7 +145,7 @@ def install(loader: Any) -> EpochOrder | None:
         if isinstance(inner, EpochOrder):
             return inner
         if isinstance(inner, tud.Sampler) and not isinstance(inner, tud.BatchSampler):
-            order = EpochOrder(inner)
+            order = EpochOrder(inner, trained)
             owner.sampler = order
             return order
         owner = getattr(owner, "batch_sampler", None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import random
 import signal
 import types
 
@@ -146,22 +147,29 @@ def test_names_and_saves_get_the_runs_step_and_are_put_back(tmp_path):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-class FakeLoader:
-    """accelerate's prepared loader as the runner meets it: the torch DataLoader sd-scripts made (shuffled, batch size
-    1), skip_batches, and the dataset's per-epoch bucket shuffle."""
+class Images(torch.utils.data.Dataset):
+    """sd-scripts' dataset as randomness sees it: fetching an item draws (its augmentations), and the epoch is set from
+    outside (its per-epoch bucket shuffle)."""
 
-    def __init__(self, batches):
-        self.base_dataloader = torch.utils.data.DataLoader(list(range(batches)), batch_size=1, shuffle=True)
-        self.skip_batches = 0
-        self.dataset = types.SimpleNamespace(epochs=[], set_current_epoch=lambda e: self.dataset.epochs.append(e))
+    def __init__(self, n):
+        self.n, self.epochs = n, []
 
     def __len__(self):
-        return len(self.base_dataloader)
+        return self.n
 
-    def __iter__(self):
-        for i, batch in enumerate(self.base_dataloader):
-            if i >= self.skip_batches:
-                yield int(batch)
+    def __getitem__(self, i):
+        return i, random.random(), float(torch.rand(()))
+
+    def set_current_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+
+def FakeLoader(batches):  # noqa: N802 - stands for a class
+    """The training loader as the runner meets it: accelerate's DataLoaderShard (it fetches one batch ahead) around
+    the torch DataLoader sd-scripts makes (shuffled, batch size 1)."""
+    from accelerate.data_loader import DataLoaderShard
+
+    return DataLoaderShard(Images(batches), batch_size=1, shuffle=True, collate_fn=lambda items: items[0])
 
 
 def train(tmp_path, steps, c=None, acc=None, loader=None, start=0, saves=(), stop_before=None):
@@ -169,7 +177,7 @@ def train(tmp_path, steps, c=None, acc=None, loader=None, start=0, saves=(), sto
     step drawing its noise; with `c` our runner's Continuation in it (states saved after the steps in `saves`, a stop
     requested before step `stop_before`). Returns [(step, batch, noise)]."""
     if c is None:
-        torch.manual_seed(5)
+        torch.manual_seed(5), random.seed(5)  # sd-scripts' set_seed
         torch.rand(3)  # the LoRA's init
         loader = FakeLoader(6)
     out, step = [], start
@@ -180,7 +188,7 @@ def train(tmp_path, steps, c=None, acc=None, loader=None, start=0, saves=(), sto
                 if stop_before == step + 1:
                     c.stop_signal = "SIGINT"
                 c.step_start(args)
-            out.append((step + 1, batch, torch.rand(2).tolist()))
+            out.append((step + 1, *batch, torch.rand(2).tolist()))
             step += 1
             if c is not None and step in saves:
                 acc.save_state(str(tmp_path / f"s{step}"))
@@ -194,12 +202,12 @@ def ours(tmp_path, resume=None):
     c.train_util = types.SimpleNamespace(
         save_and_remove_state_stepwise=lambda args, a, n: a.save_state(str(tmp_path / f"s{c.done()}"))
     )
-    torch.manual_seed(5)
+    torch.manual_seed(5), random.seed(5)
     torch.rand(3)
     loader = FakeLoader(6)
     acc.prepare(object(), loader, FakeLoader(2))  # the training loader comes before the validation one
     if resume:
-        torch.manual_seed(999)  # whatever the process drew since
+        torch.manual_seed(999), random.seed(999)  # whatever the process drew since
         acc.load_state(str(resume))
     return c, acc, loader
 
