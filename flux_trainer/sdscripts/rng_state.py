@@ -38,8 +38,8 @@ def snapshot() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "python": random.getstate(),
     }
-    if torch.cuda.is_available():  # a seed set before CUDA started is applied first: the state the step will draw
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's device (accelerate set it); a seed set before CUDA started counts
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -52,7 +52,7 @@ def restore(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 @contextlib.contextmanager
