@@ -265,6 +265,7 @@ class Continuation:
             dataset.set_current_epoch(epoch)  # sd-scripts shuffles its buckets once per epoch, seeded by epoch
         if saved is not None and self.order is not None and saved["at"] == "epoch" and skip == 0:
             rng_state.restore(saved["rng"])  # the next epoch's loader is made, and its order drawn, from here
+            self.order.own_generator(saved)
         elif saved is not None and self.order is not None and int(saved["trained"]) == skip:
             self.order.replay = saved  # the rest of the saved epoch
             if saved["at"] == "step":

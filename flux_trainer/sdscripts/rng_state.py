@@ -101,6 +101,7 @@ class EpochOrder:
             self.started = self.trained()
             fetches, before_next = {}, None
         else:  # the rest of the saved epoch, each batch fetched from the generators it was fetched from
+            self.own_generator(replay)
             self.order, self.taken = [int(i) for i in replay["order"]], int(replay["trained"])
             self.started = self.trained() - self.taken
             fetches = replay["fetch"]
@@ -130,8 +131,16 @@ class EpochOrder:
         else:
             at = "fetch"
         fetch = {p: s for p, s in self.fetches.items() if trained < p <= self.taken}
+        generator = getattr(self.sampler, "generator", None)
         return {"order": self.order, "trained": trained, "taken": self.taken, "fetch": fetch, "rng": snapshot(),
-                "at": at}  # fmt: skip
+                "at": at, "generator": generator.get_state() if generator is not None else None}  # fmt: skip
+
+    def own_generator(self, saved: dict[str, Any]) -> None:
+        """The sampler's own generator (accelerate gives it one, shared by the ranks, with several processes) as it
+        was after the saved epoch's order was drawn: the epochs after it draw theirs as the run would have."""
+        generator = getattr(self.sampler, "generator", None)
+        if generator is not None and saved.get("generator") is not None:
+            generator.set_state(saved["generator"])
 
 
 def install(loader: Any, trained: Any) -> EpochOrder | None:
