@@ -11,11 +11,12 @@ from our trainer subclass and a few reversible wrappers (no sd-scripts code chan
   the resumed state's step. Logging, sample images, state and LoRA names, `train_state.json` and the LoRA's
   `ss_steps` get the run's step; `max_train_steps` becomes `N - offset` once training starts (after the LR
   scheduler was built for N, so its schedule continues).
-- Data. Batch order is a function of (seed, epoch) (accelerate's seedable sampler instead of a permutation drawn
-  from the global random state), the resumed epoch's first batches are skipped up to the state's position, and the
-  dataset's per-epoch bucket shuffles are replayed to that epoch.
-- Randomness. Every step starts from a seed made of (seed, step, micro-batch): the noise, timesteps and dropout of
-  step k are the same whether the run got there in one go or through any number of resumes.
+- Data and randomness. The run draws what plain sd-scripts draws (its one `set_seed`, then the global generators:
+  LoRA init, each epoch's batch order, noise, timesteps), so our run and plain sd-scripts on the same TOMLs train the
+  same steps. A state also records the epoch's batch order and the generators before the next batch (rng_state); the
+  resumed run hands out the rest of that epoch's order and puts the generators back there, and the dataset's
+  per-epoch bucket shuffles are replayed to that epoch: step k draws the same whether the run got there in one go or
+  through any number of resumes.
 - Saves. A state is written into `<name>.partial`, stamped with `flux_train_state.json` (its step and its files'
   sizes), synced, then renamed; a LoRA file likewise. A full disk removes the partial save and stops the run with
   the path, the free space and what to delete; the states already saved are untouched.
@@ -27,12 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import math
 import os
-import random
 import shutil
 import signal
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from flux_trainer.metrics.progress import say
+from flux_trainer.sdscripts import rng_state
 
 log = logging.getLogger("flux_trainer.runner")
 STATE_MARKER = "flux_train_state.json"  # written last into a state: its step and files (complete when present)
@@ -69,22 +69,6 @@ def state_step(state_dir: Path) -> tuple[int, int]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return 0, 0
-
-
-def step_seed(seed: int, micro_batch: int) -> int:
-    """The seed of one micro-batch of a run: a hash of (seed, index), so neighbouring steps' streams are unrelated."""
-    digest = hashlib.blake2b(f"flux-train:{seed}:{micro_batch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def reseed(seed: int) -> None:
-    """torch (CPU and every CUDA device), Python's random and NumPy's, from one seed."""
-    import numpy as np
-    import torch
-
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
 
 
 def free_space(path: Path) -> tuple[str, str]:
@@ -160,6 +144,9 @@ class Continuation:
         self.micro = 0  # micro-batches this process has started
         self.max_steps: int | None = None  # the run's N (sd-scripts' max_train_steps before it is offset)
         self.loader: Any = None  # the prepared training DataLoader
+        self.order: rng_state.EpochOrder | None = None  # its sampler, watched (batch order and generators per batch)
+        self.fetched_ahead = False  # a stop honoured at a step's start: that step's batch is already fetched
+        self.step_rng: dict | None = None  # a resume's generators as at the start of its first step
         self.accelerator: Any = None
         self.stop_signal: str | None = None
         self.in_loop = False
@@ -222,14 +209,12 @@ class Continuation:
         say(f"{name}: stopping after this step, with a state saved (again to stop at once)")
 
     def accelerator_ready(self, accelerator: Any) -> None:
-        """sd-scripts made its Accelerator: seedable batch order, atomic states, the resume position on load."""
+        """sd-scripts made its Accelerator: atomic states, the batch order watched, the resume position on load. The
+        loader keeps sd-scripts' sampler (no seedable one): its order is drawn as plain sd-scripts draws it."""
         if self.accelerator is accelerator:
             return
         self.accelerator = accelerator
         self.accumulation = max(1, int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1))
-        config = getattr(accelerator, "dataloader_config", None)
-        if config is not None and hasattr(config, "use_seedable_sampler"):
-            config.use_seedable_sampler = True  # batch order from (seed, epoch), not the global random state
         save, load, prepare = accelerator.save_state, accelerator.load_state, accelerator.prepare
         own = {n: n in vars(accelerator) for n in ("save_state", "load_state", "prepare")}
 
@@ -238,7 +223,7 @@ class Continuation:
 
         def load_state(input_dir: str | None = None, *a: Any, **kw: Any) -> Any:
             result = load(input_dir, *a, **kw)
-            self.position_loader()
+            self.position_loader(rng_state.read(Path(input_dir)) if input_dir else None)
             return result
 
         def prepared(*objects: Any, **kw: Any) -> Any:
@@ -250,6 +235,7 @@ class Continuation:
             loaders = [o for o in outs if hasattr(o, "skip_batches") and hasattr(o, "base_dataloader")]
             if loaders and self.loader is None:
                 self.loader = loaders[0]  # sd-scripts passes the training loader before the validation one
+                self.order = rng_state.install(self.loader, lambda: self.offset * self.accumulation + self.micro)
             return result
 
         accelerator.save_state, accelerator.load_state, accelerator.prepare = save_state, load_state, prepared
@@ -264,20 +250,30 @@ class Continuation:
         self._undo.append(undo)
 
     # ---- resume position ------------------------------------------------------------------------------------
-    def position_loader(self) -> None:
-        """After a state loaded: the training loader starts at the state's epoch and skips the batches of that
-        epoch the state had trained; the dataset's bucket order is replayed up to that epoch."""
+    def position_loader(self, saved: dict | None = None) -> None:
+        """After a state loaded: the training loader starts at the state's epoch, with the rest of that epoch's batch
+        order and the generators as they were before its next batch (`saved`: the state's rng_state record); the
+        dataset's bucket order is replayed up to that epoch."""
         if not self.offset or self.loader is None:
             return
         batches = len(self.loader)
         per_epoch = max(1, math.ceil(batches / self.accumulation))
         epoch = self.offset // per_epoch
         skip = min((self.offset - epoch * per_epoch) * self.accumulation, batches)
-        self.loader.iteration = epoch  # the seedable sampler's permutation of that epoch
-        self.loader.skip_batches = skip
         dataset = getattr(self.loader, "dataset", None)
         if hasattr(dataset, "set_current_epoch"):
             dataset.set_current_epoch(epoch)  # sd-scripts shuffles its buckets once per epoch, seeded by epoch
+        if saved is not None and self.order is not None and saved["at"] == "epoch" and skip == 0:
+            rng_state.restore(saved["rng"])  # the next epoch's loader is made, and its order drawn, from here
+            self.order.own_generator(saved)
+        elif saved is not None and self.order is not None and int(saved["trained"]) == skip:
+            self.order.replay = saved  # the rest of the saved epoch
+            if saved["at"] == "step":
+                self.step_rng = saved["rng"]
+        else:
+            self.loader.skip_batches = skip  # a state without the record: a new order for this epoch
+            log.warning("the state of step %d has no %s: the rest of its epoch is drawn anew", self.offset,
+                        rng_state.STATE_FILE)  # fmt: skip
         text = f"resumed at step {self.offset}: epoch {epoch + 1} of the data, its first {skip} batches skipped"
         log.info("%s (already trained)", text)
         if self.processes == 1 or os.environ.get("RANK", "0") == "0":
@@ -285,7 +281,7 @@ class Continuation:
 
     # ---- every micro-batch -----------------------------------------------------------------------------------
     def step_start(self, args: Any) -> None:
-        """Before a training micro-batch: honour a stop request at a step boundary, then seed this micro-batch."""
+        """Before a training micro-batch: honour a stop request at a step boundary."""
         if not self.in_loop:
             self.in_loop, self.args = True, args
             self.max_steps = int(args.max_train_steps)
@@ -295,14 +291,20 @@ class Continuation:
                 self.loader.skip_batches = 0  # skipped once; later epochs start at their beginning
         if self.stop_signal is not None and self.micro % self.accumulation == 0:
             self.stop_now()
-        reseed(step_seed(self.seed, self.offset * self.accumulation + self.micro))
+        if self.step_rng is not None:
+            rng_state.restore(self.step_rng)  # the state's: as the stopped run's step would have started
+            self.step_rng = None
         self.micro += 1
 
     def stop_now(self) -> None:
         step = self.done()
         saved = None
         if step > self.offset and self.last_saved != step and self.accelerator is not None and self.args is not None:
-            self.train_util.save_and_remove_state_stepwise(self.args, self.accelerator, step - self.offset)
+            self.fetched_ahead = True  # this step's batch came out of the loader: the state is the one before it
+            try:
+                self.train_util.save_and_remove_state_stepwise(self.args, self.accelerator, step - self.offset)
+            finally:
+                self.fetched_ahead = False
         if self.last_saved == step and self.newest_state is not None:
             saved = str(self.newest_state)
         raise Interrupted(step, self.stop_signal or "stop", saved)
@@ -316,6 +318,8 @@ class Continuation:
         try:
             result = write(partial)
             self._fix_train_state(partial, step)
+            if self.order is not None:
+                rng_state.write(partial, self.order.saved(self.fetched_ahead))
             sizes = _fsync_tree(partial)
             marker = {"step": step, "epoch": self._epoch_of(partial), "saved_at": time.time(), "files": sizes}
             (partial / STATE_MARKER).write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from flux_trainer.sdscripts import rng_state
 from flux_trainer.sdscripts.compile_report import (
     CacheBypassReasons,
     CompileState,
@@ -64,30 +65,33 @@ class RunHooks:
         self._retries_warned = False
         self._ids: tuple[Any, Any] | None = None  # (sd-scripts' prepare_img_ids, its kept-on-device stand-in)
         self.norms = None  # train.sync_free: the network's norm means, logged once on the host (step_values)
+        self._rng_before_caches: dict | None = None  # the generators before sd-scripts built its caches
 
     def model_loaded(self, flux: Any, accelerator: Any) -> None:
-        """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied."""
+        """The transformer exists; kernels wait for before_prepare, when the LoRA is already applied. The generators
+        are noted: sd-scripts builds its caches next (caches_ready)."""
         self.startup.mark("model load")
+        self._rng_before_caches = rng_state.snapshot()
 
     def caches_ready(self, args: Any) -> None:
-        """Re-seed once the latent / text-encoder caches exist. Building them draws random numbers (the VAE samples
-        its latents), so without this a run that builds the caches and a run that reuses them would start training
-        from different random states: different LoRA init, data order and noise for the same seed."""
+        """The latent / text-encoder caches exist: the generators go back to where they were before sd-scripts built
+        them. Building them draws random numbers (the VAE samples its latents), reusing them draws none, so without
+        this a run that builds the caches and one that reuses them (plain sd-scripts after our run, in the bench)
+        would train from different random states: LoRA init, data order and noise. Not a re-seed: whatever sd-scripts
+        drew since its `set_seed` (its dataset's bucket shuffle) stays drawn, as in plain sd-scripts."""
         self.startup.mark("caches")
-        if getattr(args, "seed", None) is None:
+        before = getattr(self, "_rng_before_caches", None)
+        if before is None:
             return
-        from accelerate.utils import set_seed
-
-        set_seed(int(args.seed))
-        if not getattr(self, "_reseeded", False):
-            log.info(
-                "random state re-seeded (seed %s) after caching: same seed, same run, caches built or not", args.seed
-            )
-            self._reseeded = True
+        rng_state.restore(before)
+        if not getattr(self, "_rng_restored", False):
+            log.info("random state put back to before caching: caches built or reused, the run draws the same")
+            self._rng_restored = True
 
     def trainer_created(self, trainer: Any) -> None:
         """Our trainer subclass exists, train() is about to run: the kernels that change its own steps go in."""
-        self._trainer_kernels = install_trainer_kernels(trainer, self.spec.kernels)
+        with rng_state.untouched():  # a kernel's check draws nothing the run would have drawn
+            self._trainer_kernels = install_trainer_kernels(trainer, self.spec.kernels)
 
     def position_ids(self, build: Any, device: Any) -> Any:
         """What sd-scripts' `prepare_img_ids` should be during a step: with flux_prologue, the ids kept on `device`
@@ -116,11 +120,13 @@ class RunHooks:
         """sd-scripts just built the optimizer (before its LR scheduler wraps the step): optimizer kernels go in."""
         self.startup.mark("LoRA and optimizer")
         self._optimizer = optimizer
-        self._optimizer_kernels = install_optimizer_kernels(optimizer, self.spec.kernels)
+        with rng_state.untouched():
+            self._optimizer_kernels = install_optimizer_kernels(optimizer, self.spec.kernels)
         self.startup.mark("optimizer kernels")  # with their probe on the device
 
     def before_prepare(self, unet: Any, args: Any, accelerator: Any) -> None:
-        self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
+        with rng_state.untouched():  # probes and checks: kernels=auto draws what kernels=off draws
+            self.kernels_installed = install_kernels(unet, self.spec.kernels, accelerator.device)
         self.startup.mark("kernels")
         self._unet = unet
         if "compile_blocks" in self.kernels_installed:

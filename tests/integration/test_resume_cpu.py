@@ -1,9 +1,10 @@
 """Resume through sd-scripts on the CPU, as a user meets it: a run stopped twice with Ctrl-C and continued twice with
 `resume=auto` trains the same steps, with the same losses, as a run that was never stopped.
 
-Why equal, not close: every micro-batch is seeded by the run's step, the batch order is a function of (seed, epoch),
-the data position, optimizer, LR schedule and network weights come back from the state, and the CPU kernels give the
-same result for the same inputs and thread count. So the tolerance is float32 rounding (1e-6 relative); any
+Why equal, not close: the run draws sd-scripts' own random stream, and a state records what replaying it needs (the
+epoch's batch order, the generators before each batch fetched ahead and at the save: rng_state); the data position,
+optimizer, LR schedule and network weights come back from the state, and the CPU kernels give the same result for the
+same inputs and thread count. So the tolerance is float32 rounding (1e-6 relative); any
 larger difference is a step, a batch or a random draw out of place.
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import random
 import signal
 import types
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from flux_trainer.sdscripts import continuation as cont
+from flux_trainer.sdscripts import rng_state
 from flux_trainer.sdscripts.resume import state_problem
 from tests.conftest import undoing
 
@@ -59,7 +61,7 @@ def test_a_state_appears_only_complete_and_stamped_with_the_runs_step(tmp_path):
     assert stamp["step"] == 5 and set(stamp["files"]) == {"train_state.json", "optimizer.bin", "model.safetensors"}
     assert json.loads((final / "train_state.json").read_text())["current_step"] == 5  # sd-scripts wrote 3
     assert state_problem(final) is None and cont.state_step(final) == (5, 2)
-    assert acc.dataloader_config.use_seedable_sampler  # batch order from (seed, epoch)
+    assert not acc.dataloader_config.use_seedable_sampler  # sd-scripts' own sampler: plain sd-scripts' batch order
 
 
 def test_a_failed_save_leaves_nothing_and_a_full_disk_says_where_and_what_to_do(tmp_path):
@@ -145,50 +147,112 @@ def test_names_and_saves_get_the_runs_step_and_are_put_back(tmp_path):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-class FakeLoader:
-    def __init__(self, batches):
-        self.batches, self.iteration, self.skip_batches = batches, 0, 0
-        self.base_dataloader = object()
-        self.dataset = types.SimpleNamespace(epochs=[], set_current_epoch=lambda e: self.dataset.epochs.append(e))
+class Images(torch.utils.data.Dataset):
+    """sd-scripts' dataset as randomness sees it: fetching an item draws (its augmentations), and the epoch is set from
+    outside (its per-epoch bucket shuffle)."""
+
+    def __init__(self, n):
+        self.n, self.epochs = n, []
 
     def __len__(self):
-        return self.batches
+        return self.n
+
+    def __getitem__(self, i):
+        return i, random.random(), float(torch.rand(()))
+
+    def set_current_epoch(self, epoch):
+        self.epochs.append(epoch)
 
 
-@pytest.mark.parametrize("step, epoch, skip", [(5, 0, 5), (6, 1, 0), (15, 2, 3), (18, 3, 0)])
-def test_a_resumed_loader_starts_at_the_states_epoch_and_batch(tmp_path, step, epoch, skip):
-    state = tmp_path / "s"
-    state.mkdir()
-    (state / "train_state.json").write_text(json.dumps({"current_epoch": epoch + 1, "current_step": step}))
-    c, acc = made(tmp_path, resume=state)
+def FakeLoader(batches):  # noqa: N802 - stands for a class
+    """The training loader as the runner meets it: accelerate's DataLoaderShard (it fetches one batch ahead) around
+    the torch DataLoader sd-scripts makes (shuffled, batch size 1)."""
+    from accelerate.data_loader import DataLoaderShard
+
+    return DataLoaderShard(Images(batches), batch_size=1, shuffle=True, collate_fn=lambda items: items[0])
+
+
+def train(tmp_path, steps, c=None, acc=None, loader=None, start=0, saves=(), stop_before=None):
+    """sd-scripts' loop as far as randomness goes: `set_seed`, the LoRA's init, then epochs of shuffled batches, each
+    step drawing its noise; with `c` our runner's Continuation in it (states saved after the steps in `saves`, a stop
+    requested before step `stop_before`). Returns [(step, batch, noise)]."""
+    if c is None:
+        torch.manual_seed(5), random.seed(5)  # sd-scripts' set_seed
+        torch.rand(3)  # the LoRA's init
+        loader = FakeLoader(6)
+    out, step = [], start
+    args = types.SimpleNamespace(max_train_steps=steps)
+    while step < steps:
+        for batch in loader:
+            if c is not None:
+                if stop_before == step + 1:
+                    c.stop_signal = "SIGINT"
+                c.step_start(args)
+            out.append((step + 1, *batch, torch.rand(2).tolist()))
+            step += 1
+            if c is not None and step in saves:
+                acc.save_state(str(tmp_path / f"s{step}"))
+            if step >= steps:
+                break
+    return out
+
+
+def ours(tmp_path, resume=None):
+    c, acc = made(tmp_path, resume=resume)
+    c.train_util = types.SimpleNamespace(
+        save_and_remove_state_stepwise=lambda args, a, n: a.save_state(str(tmp_path / f"s{c.done()}"))
+    )
+    torch.manual_seed(5), random.seed(5)
+    torch.rand(3)
     loader = FakeLoader(6)
     acc.prepare(object(), loader, FakeLoader(2))  # the training loader comes before the validation one
-    acc.load_state(str(state))
-    assert (loader.iteration, loader.skip_batches) == (epoch, skip)
-    assert loader.dataset.epochs == [epoch]  # sd-scripts' bucket shuffles replayed to that epoch
+    if resume:
+        torch.manual_seed(999), random.seed(999)  # whatever the process drew since
+        acc.load_state(str(resume))
+    return c, acc, loader
+
+
+def test_the_run_draws_what_plain_sd_scripts_draws(tmp_path):
+    """Same seed, same TOMLs: the same batches in the same order and the same noise at every step as sd-scripts
+    alone (no re-seeding, no sampler of our own), across epochs."""
+    plain = train(tmp_path, 15)
+    c, acc, loader = ours(tmp_path)
+    assert train(tmp_path, 15, c, acc, loader) == plain
+    assert not loader.skip_batches
+
+
+@pytest.mark.parametrize("at", [3, 6, 9])  # inside the first epoch, at its end, inside the second
+def test_a_resumed_run_trains_the_steps_the_run_would_have(tmp_path, at):
+    whole = train(tmp_path, 15)
+    c, acc, loader = ours(tmp_path)
+    assert train(tmp_path, at, c, acc, loader, saves={at}) == whole[:at]
+    state = tmp_path / f"s{at}"
+    assert (state / rng_state.STATE_FILE).is_file() and state_problem(state) is None
+    c, acc, loader = ours(tmp_path, resume=state)
+    assert loader.dataset.epochs == [at // 6]  # sd-scripts' bucket shuffles replayed to that epoch
+    assert train(tmp_path, 15, c, acc, loader, start=at) == whole[at:]
+
+
+@pytest.mark.parametrize("stop", [4, 7])  # the stopped step's batch inside an epoch, the first of one
+def test_a_run_stopped_at_a_steps_start_resumes_with_that_steps_batch_and_noise(tmp_path, stop):
+    whole = train(tmp_path, 15)
+    c, acc, loader = ours(tmp_path)
+    with pytest.raises(cont.Interrupted):
+        train(tmp_path, 15, c, acc, loader, stop_before=stop)
+    state = tmp_path / f"s{stop - 1}"
+    c, acc, loader = ours(tmp_path, resume=state)
+    assert train(tmp_path, 15, c, acc, loader, start=stop - 1) == whole[stop - 1 :]
+
+
+def test_a_state_without_the_record_still_resumes_at_its_position(tmp_path):
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / "train_state.json").write_text(json.dumps({"current_epoch": 3, "current_step": 15}))
+    c, acc, loader = ours(tmp_path, resume=state)
+    assert loader.skip_batches == 3 and loader.dataset.epochs == [2]
     args = types.SimpleNamespace(max_train_steps=40)
     c.step_start(args)
-    assert args.max_train_steps == 40 - step and loader.skip_batches == 0  # sd-scripts counts from 0
-
-
-def test_each_micro_batch_is_seeded_by_the_runs_step_whatever_came_before(tmp_path):
-    def draws(resume_at, steps):
-        state = None
-        if resume_at:
-            state = tmp_path / f"s{resume_at}"
-            state.mkdir(exist_ok=True)
-            (state / "train_state.json").write_text(json.dumps({"current_epoch": 1, "current_step": resume_at}))
-        c = cont.Continuation(str(state) if state else None, 3, "mine")
-        out = []
-        torch.manual_seed(999)  # whatever state the process is in
-        for _ in range(steps):
-            c.step_start(types.SimpleNamespace(max_train_steps=100))
-            out.append(torch.rand(2).tolist())
-        return out
-
-    whole = draws(0, 10)
-    assert draws(6, 4) == whole[6:]
-    assert len({tuple(x) for x in whole}) == 10
+    assert args.max_train_steps == 40 - 15  # sd-scripts counts from 0
 
 
 def test_a_stop_request_ends_the_run_after_a_whole_step_with_a_state(tmp_path):
@@ -230,3 +294,24 @@ def test_several_processes_keep_the_default_signal_handling(tmp_path):
     c.install(fake_train_util([]))
     with undoing(c.remove):
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_building_the_caches_draws_nothing_the_run_keeps(tmp_path):
+    """sd-scripts builds its caches between loading the model and making the LoRA: building them draws (the VAE
+    samples), reusing them (plain sd-scripts after our run) draws nothing. The hooks put every generator back, and
+    do not re-seed: what sd-scripts drew before (its bucket shuffle) stays drawn."""
+    import random
+
+    import numpy as np
+
+    from flux_trainer.sdscripts.hooks import RunHooks
+    from flux_trainer.sdscripts.runner import RunnerSpec
+
+    h = RunHooks(RunnerSpec(sd_scripts="", train_toml="", dataset_toml=""), tmp_path)
+    torch.manual_seed(42), random.seed(42), np.random.seed(42)
+    random.random(), torch.rand(1)  # sd-scripts' draws before the model loads
+    h.model_loaded(None, types.SimpleNamespace(device=torch.device("cpu")))
+    reused = (torch.rand(4).tolist(), random.random(), np.random.rand())
+    torch.randn(16), random.random(), np.random.rand()  # the caches being built
+    h.caches_ready(types.SimpleNamespace(seed=42))
+    assert (torch.rand(4).tolist(), random.random(), np.random.rand()) == reused
