@@ -103,7 +103,8 @@ def prepare(
         say(f"warning: {msg}")
 
     # every image and caption checked, then staged in the cache (sd-scripts' caches land there, not beside them)
-    staged_images, notes = data_stage.ready_all(cfg.dataset, cfg.model, cache_root(), int(cfg.train.batch_size))
+    te_fp8 = bool(cfg.memory.get("t5xxl_fp8"))
+    staged_images, notes = data_stage.ready_all(cfg.dataset, cfg.model, cache_root(), int(cfg.train.batch_size), te_fp8)
     for note in notes:
         say(f"note: {note}")
     runs_root = plan.runs_root

@@ -252,22 +252,22 @@ def _masks(key: str, masks: str | None, check: Any, problems: list[str], notes: 
     return matched.masks
 
 
-def _stage_keys(dataset: Any, model: Any, trigger: str | None, alpha_mask: bool = False) -> tuple[str, str]:
-    te_key = json.dumps(
-        [
-            str(model.clip_l),
-            str(model.t5xxl),
-            model.get("t5xxl_max_token_length"),
-            trigger,
-            dataset.keep_tokens,
-            dataset.caption_extension,
-        ]  # fmt: skip
-    )
+def _stage_keys(
+    dataset: Any, model: Any, trigger: str | None, alpha_mask: bool = False, te_fp8: bool = False
+) -> tuple[str, str]:
+    """What the staged text-encoder outputs and latents are made from (a change drops that kind of cache). `te_fp8`:
+    T5-XXL encodes in fp8 (memory.t5xxl_fp8, the 8 GB tier), other numbers than bf16's: sd-scripts would reuse
+    either kind for the other."""
+    te = [str(model.clip_l), str(model.t5xxl), model.get("t5xxl_max_token_length"), trigger, dataset.keep_tokens,
+          dataset.caption_extension] + (["t5xxl_fp8"] if te_fp8 else [])  # fmt: skip
+    te_key = json.dumps(te)
     latents = [str(model.ae), bool(dataset.flip_aug)] + (["alpha_mask"] if alpha_mask else [])  # masks cache beside
     return te_key, json.dumps(latents)
 
 
-def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tuple[Path, list[str]]:
+def ready(
+    dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1, te_fp8: bool = False
+) -> tuple[Path, list[str]]:
     """A run's dataset checked and staged: (the staged folder for sd-scripts, notes to show). ConfigError naming
     every bad file (up to MAX_LISTED), or a batch the dataset cannot fill."""
     from flux_trainer.config.errors import ConfigError
@@ -296,12 +296,14 @@ def ready(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tup
     if problems:
         raise ConfigError(problems)
     alpha = bool(dataset.get("alpha_mask") or masks)
-    te_key, latents_key = _stage_keys(dataset, model, dataset.trigger, alpha)
+    te_key, latents_key = _stage_keys(dataset, model, dataset.trigger, alpha, te_fp8)
     staged = stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key, masks)
     return staged, notes
 
 
-def ready_all(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) -> tuple[list[Path], list[str]]:
+def ready_all(
+    dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1, te_fp8: bool = False
+) -> tuple[list[Path], list[str]]:
     """Every folder of a run's dataset checked, then each staged (the single-folder form: `ready`): (the staged
     folders, one per subset in order, and notes to show). Nothing is staged until every folder passed."""
     from flux_trainer.config.errors import ConfigError
@@ -309,7 +311,7 @@ def ready_all(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) ->
     from flux_trainer.data.subsets import subsets_of
 
     if not dataset.get("subsets"):
-        staged, notes = ready(dataset, model, cache_dir, batch_size)
+        staged, notes = ready(dataset, model, cache_dir, batch_size, te_fp8)
         return [staged], notes
     subsets = subsets_of(dataset)
     checks = [check_folder(Path(s.images).expanduser(), dataset.caption_extension, cache_dir) for s in subsets]
@@ -338,7 +340,7 @@ def ready_all(dataset: Any, model: Any, cache_dir: Path, batch_size: int = 1) ->
         raise ConfigError(problems)
     staged = []
     for subset, check, masked in zip(subsets, checks, masks, strict=True):
-        te_key, latents_key = _stage_keys(dataset, model, subset.trigger, subset.alpha_mask)
+        te_key, latents_key = _stage_keys(dataset, model, subset.trigger, subset.alpha_mask, te_fp8)
         staged.append(
             stage(check, str(dataset.name), cache_dir, dataset.caption_extension, te_key, latents_key, masked)
         )

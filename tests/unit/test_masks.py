@@ -95,3 +95,22 @@ def test_staged_masked_image_carries_the_mask_as_alpha_and_follows_its_changes(t
     # the mask taken away: the image is linked again under its own name, the PNG gone
     stage(check, "ds", tmp_path / "cache", masks={})
     assert (staged / "im1.jpg").is_symlink() and not (staged / "im1.png").exists()
+
+
+def test_text_encoder_outputs_made_with_an_fp8_t5_are_not_reused_by_a_bf16_run(tmp_path):
+    """memory.t5xxl_fp8 (the 8 GB tier) encodes the captions in fp8: its cached outputs must not serve another tier's
+    bf16 run of the same dataset, nor the reverse (sd-scripts checks only the cache files' keys)."""
+    from omegaconf import OmegaConf
+
+    from flux_trainer.data.stage import ready
+
+    images = _folder(tmp_path, n=2)
+    dataset = OmegaConf.create({"name": "d", "images": str(images), "trigger": None, "caption_extension": ".txt",
+                                "keep_tokens": 0, "flip_aug": False, "validation_split": 0.0})  # fmt: skip
+    model = OmegaConf.create({"clip_l": "c", "t5xxl": "t", "ae": "a"})
+    staged, _ = ready(dataset, model, tmp_path / "cache", te_fp8=True)
+    (staged / "im0_flux_te.npz").write_bytes(b"fp8 outputs")
+    ready(dataset, model, tmp_path / "cache", te_fp8=True)
+    assert (staged / "im0_flux_te.npz").exists()  # same encoder: kept
+    ready(dataset, model, tmp_path / "cache", te_fp8=False)
+    assert not (staged / "im0_flux_te.npz").exists()  # bf16 now: re-encoded
