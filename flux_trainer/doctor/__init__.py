@@ -77,7 +77,12 @@ def fast_checks(cfg: DictConfig, info: DeviceInfo, env: Mapping[str, str] | None
     env = os.environ if env is None else env
     rows = _guard("gpu", "gpu", lambda: doctor_gpu.identity_checks(info))
     rows += _guard("sd-scripts", "sd-scripts", lambda: doctor_env.sd_scripts_check(cfg.get("sd_scripts"), env))
-    rows += _guard("sd-scripts deps", "sd-scripts", lambda: doctor_env.dependency_check(str(cfg.optimizer.type)))
+    from flux_trainer.backend import MUSUBI, backend_for
+
+    musubi = backend_for(str(cfg.model.get("model_type", "flux"))) == MUSUBI
+    rows += _guard(
+        "sd-scripts deps", "sd-scripts", lambda: doctor_env.dependency_check(str(cfg.optimizer.type), musubi=musubi)
+    )
     rows += _guard("models", "models", lambda: doctor_models.model_checks(cfg, info))
     rows += _guard("disk", "disk", lambda: doctor_disk.disk_check(cfg))
     rows += _guard("env", "env", lambda: doctor_env.env_checks(env, info))

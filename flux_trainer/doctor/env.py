@@ -60,9 +60,12 @@ REQUIREMENTS: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "",
         "image loading (cv2)",
     ),
-    (("av",), "", "musubi-tuner's dataset module imports it (FLUX.2, Kontext)"),
     (("numpy",), "", ""),
     (("pillow",), "", ""),
+)
+# what a FLUX.2 / Kontext run (musubi-tuner) needs beyond sd-scripts' list: not asked of a FLUX.1 run
+MUSUBI_REQUIREMENTS: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (("av",), "", "musubi-tuner's dataset module imports it (FLUX.2, Kontext)"),
 )
 OPTIMIZER_REQUIREMENTS = {
     "AdamW8bit": (("bitsandbytes",), ">=0.45", "8-bit AdamW (optimizer=adamw8bit)"),
@@ -105,11 +108,12 @@ def installed_version(names: tuple[str, ...]) -> tuple[str, str] | None:
     return None
 
 
-def dependency_check(optimizer_type: str = "", version_of=None) -> CheckResult:
-    """sd-scripts' imports installed at versions it works with (`version_of(names) -> (name, version) | None`,
-    default `installed_version`, is replaceable for tests)."""
+def dependency_check(optimizer_type: str = "", version_of=None, musubi: bool = False) -> CheckResult:
+    """sd-scripts' imports installed at versions it works with, and with `musubi` (a FLUX.2 / Kontext model)
+    musubi-tuner's further ones (`version_of(names) -> (name, version) | None`, default `installed_version`, is
+    replaceable for tests)."""
     version_of = installed_version if version_of is None else version_of
-    wanted = list(REQUIREMENTS)
+    wanted = list(REQUIREMENTS) + (list(MUSUBI_REQUIREMENTS) if musubi else [])
     if optimizer_type in OPTIMIZER_REQUIREMENTS:
         wanted.append(OPTIMIZER_REQUIREMENTS[optimizer_type])
     seen, problems, pins = [], [], []

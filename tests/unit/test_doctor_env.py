@@ -96,6 +96,14 @@ def test_bitsandbytes_is_required_only_for_the_8bit_optimizer():
     assert doctor_env.dependency_check("AdamW8bit", versions(bitsandbytes="0.45.5")).status == "pass"
 
 
+def test_av_is_required_only_for_a_musubi_tuner_model():
+    """A FLUX.1 run does not need musubi-tuner's video package (the lent GPU machine has none); FLUX.2 does."""
+    assert doctor_env.dependency_check("AdamW", versions(av="")).status == "pass"
+    row = doctor_env.dependency_check("AdamW", versions(av=""), musubi=True)
+    assert row.status == "fail" and "av missing" in row.evidence and '"av"' in row.fix
+    assert doctor_env.dependency_check("AdamW", versions(), musubi=True).status == "pass"
+
+
 def test_any_opencv_distribution_satisfies_cv2():
     version_of = versions(**{"opencv-python-headless": ""}, **{"opencv-python": "4.10.0"})
     assert doctor_env.dependency_check("AdamW", version_of).status == "pass"
