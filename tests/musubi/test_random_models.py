@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,15 @@ def test_klein_4b_preset_is_what_musubi_tuner_builds_for_klein_base_4b(musubi, m
         theirs_te = Qwen3ForCausalLM._from_config(Qwen3Config(**config))
     want = {k: v for k, v in _shapes(plan_part(theirs_te)).items() if k != "lm_head.weight"}
     assert _shapes(rm.plan_flux2_part("text_encoder", full["text_encoder"])) == want
+
+
+@need_musubi
+def test_klein_4b_refuses_a_disk_too_small_and_writes_nothing(musubi, monkeypatch, tmp_path):
+    free = types.SimpleNamespace(disk_usage=lambda _: types.SimpleNamespace(free=10**9))  # 1 GB left
+    monkeypatch.setattr(rm, "shutil", free)
+    with pytest.raises(ConfigError, match=r"random model 'random_flux2_klein_4b' needs 1[5-7]\.\d GB .* 1\.0 GB free"):
+        rm.ensure_random_musubi_model(tmp_path, "random_flux2_klein_4b", device="cpu", log=lambda _: None)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
 # ---------------------------------------------------------------------------------------------- FLUX.1 Kontext
