@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -22,11 +20,10 @@ from typing import Any
 import toml
 
 from flux_trainer.backend.parser_schema import check_keys, describe_parser, parser_of
+from flux_trainer.backend.verdicts import remembered
 from flux_trainer.musubi.checkout import argv, import_module, source_dir
 
-log = logging.getLogger("flux_trainer.musubi.live_check")
 CACHE_FILE = "musubi_tuner_checks.json"
-KEEP = 64
 PACKAGES = ("voluptuous", "toml")
 
 
@@ -67,32 +64,12 @@ def check_key(checkout: Path, scripts: dict[str, dict[str, Any]], dataset_toml: 
     return h.hexdigest()
 
 
-def _passed(cache: Path) -> list[str]:
-    try:
-        keys = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        return []
-    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
-
-
 def checked(
     checkout: Path, scripts: dict[str, dict[str, Any]], dataset_toml: Path, run_dir: Path, cache: Path
 ) -> list[str]:
     """`live_check`, skipped for a set of files that passed before (see the module's docstring)."""
     key = check_key(checkout, scripts, dataset_toml, run_dir)
-    if key in _passed(cache):
-        return []
-    problems = live_check(checkout, scripts, dataset_toml)
-    if not problems:
-        keys = [k for k in _passed(cache) if k != key] + [key]
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(keys[-KEEP:]))
-            os.replace(tmp, cache)
-        except OSError as exc:
-            log.warning("could not keep the check's verdict in %s (%s): the next run checks again", cache, exc)
-    return problems
+    return remembered(cache, key, lambda: live_check(checkout, scripts, dataset_toml))
 
 
 def training_values(train_toml: Path) -> dict[str, Any]:

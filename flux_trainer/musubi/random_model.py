@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from flux_trainer.config.errors import ConfigError
 from flux_trainer.config.random_specs import PRESETS as SDSCRIPTS_PRESETS
@@ -42,7 +41,7 @@ from flux_trainer.musubi.random_specs import (
     flux2_preset_file,
     preset_family,
 )
-from flux_trainer.sdscripts.random_model import NOTE, SPEC_FILE, TensorPlan, plan_part, write_part
+from flux_trainer.sdscripts.random_model import NOTE, SPEC_FILE, TensorPlan, part_is_current, plan_part, write_part
 
 _log = logging.getLogger(__name__)
 
@@ -240,19 +239,6 @@ def plan_flux2_part(part: str, shapes: dict[str, Any]) -> list[TensorPlan]:
     return [p for p in plans if not (part == "text_encoder" and p.name == "lm_head.weight")]
 
 
-def _reusable(path: Path, metadata: dict[str, str]) -> bool:
-    """A part file left by an interrupted earlier run is complete (it was renamed into place); reuse it only if it
-    was made with the same seed and preset."""
-    if not path.is_file():
-        return False
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            have = f.metadata() or {}
-    except Exception:  # noqa: BLE001 - an unreadable file is simply regenerated
-        return False
-    return all(have.get(k) == metadata[k] for k in ("flux_trainer.preset", "flux_trainer.seed", "flux_trainer.part"))
-
-
 def _flux2_paths(cache: Path, preset: str) -> dict[str, Path]:
     paths = {part: flux2_preset_file(cache, preset, part) for part in FLUX2_PARTS}
     return {**paths, "tokenizer": STANDIN_DIR / FLUX2_PRESETS[preset]["tokenizer"]}
@@ -285,7 +271,7 @@ def _ensure_flux2(cache: Path, preset: str, device: torch.device, seed: int, log
             "flux_trainer.part": part,
             "flux_trainer.seed": str(seed),
         }
-        if _reusable(paths[part], metadata):
+        if part_is_current(paths[part], metadata):
             log(f"random model {preset}: {part} already written, reusing {paths[part].name}")
             continue
         start = time.perf_counter()

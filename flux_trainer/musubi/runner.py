@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from flux_trainer.backend.exit_record import EXIT_FILE
+from flux_trainer.backend.run_spec import JsonSpec
 from flux_trainer.metrics import progress
 
 log = logging.getLogger("flux_trainer.musubi.runner")
-RUNNER_SPEC = "runner.json"
 CACHED_MARK = ".musubi-cached"  # the main process has cached both: the other processes may train
 # the trainer class each training script's main() builds (musubi_tuner.<script>.<class>)
 TRAINER_CLASSES = {
@@ -36,7 +36,7 @@ TRAINER_CLASSES = {
 
 
 @dataclass
-class RunnerSpec:
+class RunnerSpec(JsonSpec):
     """What the parent tells the training process, beside musubi-tuner's own files."""
 
     musubi_tuner: str  # the checkout
@@ -51,15 +51,6 @@ class RunnerSpec:
     backend: str = "musubi"
     lora: str | None = None  # the trained LoRA file (output_dir / output_name.safetensors)
     comfy_copy: bool = False  # write its ComfyUI copy beside it after training (lora_format.py)
-
-    def write(self, run_dir: Path) -> Path:
-        path = run_dir / RUNNER_SPEC
-        path.write_text(json.dumps(self.__dict__, indent=1) + "\n")
-        return path
-
-    @classmethod
-    def read(cls, run_dir: Path) -> RunnerSpec:
-        return cls(**json.loads((run_dir / RUNNER_SPEC).read_text()))
 
 
 class StepFailed(RuntimeError):

@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
-import logging
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -25,13 +23,11 @@ from pathlib import Path
 
 import toml
 
+from flux_trainer.backend.verdicts import remembered
 from flux_trainer.sdscripts.checkout import SdScriptsModules, sd_scripts_argv
-from flux_trainer.sdscripts.file_hash import write_json_atomic
 from flux_trainer.sdscripts.parser_schema import check_training_keys, describe_parser
 
-log = logging.getLogger("flux_trainer.live_check")
 CACHE_FILE = "sd_scripts_checks.json"
-KEEP = 64  # passed verdicts kept; the oldest go first
 CODE_DIRS = (".", "library", "networks")  # the checkout's code the check runs (not a venv or tests beside it)
 PACKAGES = ("voluptuous", "toml")
 
@@ -80,14 +76,6 @@ def check_key(checkout: Path, train_toml: Path, dataset_toml: Path, run_dir: Pat
     return h.hexdigest()
 
 
-def _passed(cache: Path) -> list[str]:
-    try:
-        keys = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        return []
-    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
-
-
 def checked(
     modules: Callable[[], SdScriptsModules],
     checkout: Path,
@@ -99,13 +87,4 @@ def checked(
     """`live_check` with the verdicts that passed kept in `cache`: an identical pair (see `check_key`) is not
     checked again, so sd-scripts (`modules()`) is not imported. Problems are never kept: they are found again."""
     key = check_key(checkout, train_toml, dataset_toml, run_dir)
-    if key in _passed(cache):
-        return []
-    problems = live_check(modules(), train_toml, dataset_toml)
-    if not problems:
-        keys = [k for k in _passed(cache) if k != key] + [key]
-        try:
-            write_json_atomic(cache, keys[-KEEP:])
-        except OSError as exc:
-            log.warning("could not keep the check's verdict in %s (%s): the next run checks again", cache, exc)
-    return problems
+    return remembered(cache, key, lambda: live_check(modules(), train_toml, dataset_toml))

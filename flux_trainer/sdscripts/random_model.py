@@ -222,7 +222,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _part_is_current(path: Path, metadata: dict[str, str]) -> bool:
+def part_is_current(path: Path, metadata: dict[str, str]) -> bool:
     """A part file left by an interrupted earlier run is complete (it was renamed into place); reuse it only if it
     was made with the same seed and preset."""
     if not path.is_file():
@@ -282,7 +282,7 @@ def ensure_random_model(
             "flux_trainer.seed": str(seed),
             "flux_trainer.sd_scripts_commit": commit or "unknown",
         }
-        if _part_is_current(paths[part], metadata):
+        if part_is_current(paths[part], metadata):
             log(f"random model {preset}: {part} already written, reusing {paths[part].name}")
             continue
         start = time.perf_counter()

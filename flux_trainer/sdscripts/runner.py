@@ -22,18 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from flux_trainer.backend.exit_record import EXIT_FILE, child_exit_code, child_reason  # noqa: F401 - API
+from flux_trainer.backend.run_spec import JsonSpec
 from flux_trainer.metrics import progress
 from flux_trainer.metrics.tensorboard import VALIDATION_TAGS
 from flux_trainer.sdscripts.checkout import SdScriptsModules, import_sd_scripts, sd_scripts_argv
 
 log = logging.getLogger("flux_trainer.runner")
-RUNNER_SPEC = "runner.json"
 EXIT_NONFINITE_LOSS = 3
 VRAM_CAP_ENV = "FLUX_TRAIN_VRAM_CAP_GIB"  # set by `flux-train bench --vram-cap`
 
 
 @dataclass
-class RunnerSpec:
+class RunnerSpec(JsonSpec):
     """What the parent tells the training process, beside sd-scripts' own TOMLs."""
 
     sd_scripts: str
@@ -49,15 +49,6 @@ class RunnerSpec:
     # memory.checkpoint_skip with what decides it: {"checkpoint_skip", "tier_gib", "blocked"} (checkpoint_fit)
     memory: dict[str, Any] = field(default_factory=lambda: {"checkpoint_skip": "0"})
     t5xxl_fp8: bool = False  # memory.t5xxl_fp8: T5-XXL in fp8 when it encodes the captions (an 8 GB card)
-
-    def write(self, run_dir: Path) -> Path:
-        path = run_dir / RUNNER_SPEC
-        path.write_text(json.dumps(self.__dict__, indent=1) + "\n")
-        return path
-
-    @classmethod
-    def read(cls, run_dir: Path) -> RunnerSpec:
-        return cls(**json.loads((run_dir / RUNNER_SPEC).read_text()))
 
 
 def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, startup: Any = None) -> type:

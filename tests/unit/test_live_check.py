@@ -86,7 +86,9 @@ def test_problems_are_never_kept_and_a_broken_cache_is_an_empty_one(setup):
 
 def test_the_oldest_verdicts_go_first(setup, monkeypatch):
     checkout, calls, run, tmp = setup
-    monkeypatch.setattr(live_check, "KEEP", 2)
+    from flux_trainer.backend import verdicts
+
+    monkeypatch.setattr(verdicts, "KEEP", 2)
     for lr in ("1e-4", "2e-4", "3e-4"):
         run(tmp / "runs" / lr, lr=lr)
     assert calls["checks"] == 3
