@@ -23,8 +23,6 @@ import importlib
 import json
 import logging
 import os
-import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ from flux_trainer.musubi.random_specs import (
     flux2_preset_file,
     preset_family,
 )
-from flux_trainer.sdscripts.random_model import NOTE, SPEC_FILE, TensorPlan, part_is_current, plan_part, write_part
+from flux_trainer.sdscripts.random_model import NOTE, SPEC_FILE, TensorPlan, plan_part, write_parts
 
 _log = logging.getLogger(__name__)
 
@@ -253,36 +251,8 @@ def _ensure_flux2(cache: Path, preset: str, device: torch.device, seed: int, log
         return paths
     folder.mkdir(parents=True, exist_ok=True)
     shapes = FLUX2_PRESETS[preset]
-    plans = {part: plan_flux2_part(part, shapes[part]) for part in FLUX2_PARTS}
-    need = sum(p.nbytes for part in FLUX2_PARTS for p in plans[part] if not paths[part].is_file())
-    free = shutil.disk_usage(folder).free
-    if need > free:
-        raise ConfigError(
-            f"random model '{preset}' needs {need / 1e9:.1f} GB in {folder}, only {free / 1e9:.1f} GB free; "
-            f"free space there or set the model cache (FLUX_TRAIN_MODEL_CACHE) to a larger disk"
-        )
-    log(f"{banner}; generating into {folder} on {device}")
-    for index, part in enumerate(FLUX2_PARTS):
-        metadata = {
-            "format": "pt",
-            "flux_trainer.random_weights": "true",
-            "flux_trainer.note": NOTE,
-            "flux_trainer.preset": preset,
-            "flux_trainer.part": part,
-            "flux_trainer.seed": str(seed),
-        }
-        if part_is_current(paths[part], metadata):
-            log(f"random model {preset}: {part} already written, reusing {paths[part].name}")
-            continue
-        start = time.perf_counter()
-        write_part(paths[part], plans[part], device, seed * len(FLUX2_PARTS) + index, metadata)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        n = sum(torch.Size(p.shape).numel() for p in plans[part] if not p.alias_of)
-        log(
-            f"random model {preset}: wrote {paths[part].name} ({n / 1e6:,.1f}M params, "
-            f"{paths[part].stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s"
-        )
+    parts = {part: (paths[part], plan_flux2_part(part, shapes[part]), i) for i, part in enumerate(FLUX2_PARTS)}
+    write_parts(preset, parts, len(FLUX2_PARTS), device, seed, {}, log)
     spec = {"preset": preset, "family": "flux2", "random_weights": True, "note": NOTE, "seed": seed, **shapes}
     tmp = folder / f"{SPEC_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")

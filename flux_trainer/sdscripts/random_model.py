@@ -235,6 +235,52 @@ def part_is_current(path: Path, metadata: dict[str, str]) -> bool:
     return all(have.get(k) == metadata[k] for k in ("flux_trainer.preset", "flux_trainer.seed", "flux_trainer.part"))
 
 
+def write_parts(
+    preset: str,
+    parts: dict[str, tuple[Path, list[TensorPlan], int]],
+    n_parts: int,
+    device: torch.device,
+    seed: int,
+    extra_metadata: dict[str, str],
+    log: Callable[[str], None],
+) -> None:
+    """Each part (name -> its file, tensor plans and index) written from its own seed (seed x n_parts + index) unless
+    a complete file from the same preset and seed is already there; refused before anything is written where the
+    disk cannot hold what is missing. Shared by both trainers' random presets."""
+    need = sum(p.nbytes for path, plans, _ in parts.values() for p in plans if not path.is_file())
+    folder = next(iter(parts.values()))[0].parent
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise ConfigError(
+            f"random model '{preset}' needs {need / 1e9:.1f} GB in {folder}, only {free / 1e9:.1f} GB free; "
+            f"free space there or set the model cache (FLUX_TRAIN_MODEL_CACHE) to a larger disk"
+        )
+    log(f"RANDOM WEIGHTS (preset {preset}): for demos/tests/benchmarks, not a real model; generating into {folder} "
+        f"on {device}")  # fmt: skip
+    for part, (path, plans, index) in parts.items():
+        metadata = {
+            "format": "pt",
+            "flux_trainer.random_weights": "true",
+            "flux_trainer.note": NOTE,
+            "flux_trainer.preset": preset,
+            "flux_trainer.part": part,
+            "flux_trainer.seed": str(seed),
+            **extra_metadata,
+        }
+        if part_is_current(path, metadata):
+            log(f"random model {preset}: {part} already written, reusing {path.name}")
+            continue
+        start = time.perf_counter()
+        write_part(path, plans, device, seed * n_parts + index, metadata)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        n = sum(_numel(p.shape) for p in plans if not p.alias_of)
+        log(
+            f"random model {preset}: wrote {path.name} ({n / 1e6:,.1f}M params, "
+            f"{path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s"
+        )
+
+
 def _complete(folder: Path, parts: tuple[str, ...]) -> bool:
     return (folder / SPEC_FILE).is_file() and all((folder / f"{part}.safetensors").is_file() for part in parts)
 
@@ -264,36 +310,10 @@ def ensure_random_model(
     device = torch.device(device)
     plans = plan_preset(preset, mods)
     folder.mkdir(parents=True, exist_ok=True)
-    need = sum(p.nbytes for part in parts for p in plans[part] if not paths[part].is_file())
-    free = shutil.disk_usage(folder).free
-    if need > free:
-        raise ConfigError(
-            f"random model '{preset}' needs {need / 1e9:.1f} GB in {folder}, only {free / 1e9:.1f} GB free; "
-            f"free space there or set the model cache (FLUX_TRAIN_MODEL_CACHE) to a larger disk"
-        )
-    log(f"{banner}; generating into {folder} on {device}")
-    for part in parts:
-        metadata = {
-            "format": "pt",
-            "flux_trainer.random_weights": "true",
-            "flux_trainer.note": NOTE,
-            "flux_trainer.preset": preset,
-            "flux_trainer.part": part,
-            "flux_trainer.seed": str(seed),
-            "flux_trainer.sd_scripts_commit": commit or "unknown",
-        }
-        if part_is_current(paths[part], metadata):
-            log(f"random model {preset}: {part} already written, reusing {paths[part].name}")
-            continue
-        start = time.perf_counter()
-        write_part(paths[part], plans[part], device, seed * len(PARTS) + PARTS.index(part), metadata)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        n = sum(_numel(p.shape) for p in plans[part] if not p.alias_of)
-        log(
-            f"random model {preset}: wrote {paths[part].name} ({n / 1e6:,.1f}M params, "
-            f"{paths[part].stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s"
-        )
+    write_parts(
+        preset, {part: (paths[part], plans[part], PARTS.index(part)) for part in parts}, len(PARTS), device, seed,
+        {"flux_trainer.sd_scripts_commit": commit or "unknown"}, log,
+    )  # fmt: skip
     _write_json(folder / SPEC_FILE, spec_for(preset, seed, commit))
     return paths
 

@@ -214,7 +214,9 @@ def test_klein_4b_preset_is_what_musubi_tuner_builds_for_klein_base_4b(musubi, m
 @need_musubi
 def test_klein_4b_refuses_a_disk_too_small_and_writes_nothing(musubi, monkeypatch, tmp_path):
     free = types.SimpleNamespace(disk_usage=lambda _: types.SimpleNamespace(free=10**9))  # 1 GB left
-    monkeypatch.setattr(rm, "shutil", free)
+    from flux_trainer.sdscripts import random_model as writer  # the part writer both trainers' presets share
+
+    monkeypatch.setattr(writer, "shutil", free)
     with pytest.raises(ConfigError, match=r"random model 'random_flux2_klein_4b' needs 1[5-7]\.\d GB .* 1\.0 GB free"):
         rm.ensure_random_musubi_model(tmp_path, "random_flux2_klein_4b", device="cpu", log=lambda _: None)
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
