@@ -4,15 +4,34 @@ Problems are never kept: they are found again."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
+from importlib import metadata
 from pathlib import Path
 
 log = logging.getLogger("flux_trainer.launch")
 
 KEEP = 64  # passed verdicts kept; the oldest go first
+
+
+def code_digest(checker: Path, root: Path, files: Iterable[Path], packages: Iterable[str]) -> hashlib._Hash:
+    """A running digest of what a trainer's check depends on beyond the run's files: the checking module itself,
+    the trainer's code (`files` under `root`, by size and time), the Python and the packages' versions."""
+    h = hashlib.sha256(Path(checker).read_bytes())
+    h.update(f"{root}|{sys.version}\n".encode())
+    for f in sorted(files):
+        st = f.stat()
+        h.update(f"{f.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    for name in packages:
+        try:
+            h.update(f"{name}={metadata.version(name)}\n".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{name}=-\n".encode())
+    return h
 
 
 def passed(cache: Path) -> list[str]:

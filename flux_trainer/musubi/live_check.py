@@ -10,17 +10,14 @@ module's code), as sd-scripts' live check does. Problems are never kept.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import toml
 
 from flux_trainer.backend.parser_schema import check_keys, describe_parser, parser_of
-from flux_trainer.backend.verdicts import remembered
+from flux_trainer.backend.verdicts import code_digest, remembered
 from flux_trainer.musubi.checkout import argv, import_module, source_dir
 
 CACHE_FILE = "musubi_tuner_checks.json"
@@ -48,17 +45,8 @@ def live_check(checkout: Path, scripts: dict[str, dict[str, Any]], dataset_toml:
 
 
 def check_key(checkout: Path, scripts: dict[str, dict[str, Any]], dataset_toml: Path, run_dir: Path) -> str:
-    h = hashlib.sha256(Path(__file__).read_bytes())
     src = source_dir(checkout)
-    h.update(f"{src}|{sys.version}\n".encode())
-    for f in sorted(src.rglob("*.py")):
-        st = f.stat()
-        h.update(f"{f.relative_to(src)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    for name in PACKAGES:
-        try:
-            h.update(f"{name}={metadata.version(name)}\n".encode())
-        except metadata.PackageNotFoundError:
-            h.update(f"{name}=-\n".encode())
+    h = code_digest(Path(__file__), src, src.rglob("*.py"), PACKAGES)
     text = json.dumps(scripts, sort_keys=True, default=str) + Path(dataset_toml).read_text(encoding="utf-8")
     h.update(text.replace(str(run_dir), "<run dir>").encode())
     return h.hexdigest()

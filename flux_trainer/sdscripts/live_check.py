@@ -14,16 +14,13 @@ packages that parse and validate them, and this module's code. A pair that passe
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
-import sys
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 
 import toml
 
-from flux_trainer.backend.verdicts import remembered
+from flux_trainer.backend.verdicts import code_digest, remembered
 from flux_trainer.sdscripts.checkout import SdScriptsModules, sd_scripts_argv
 from flux_trainer.sdscripts.parser_schema import check_training_keys, describe_parser
 
@@ -58,19 +55,9 @@ def live_check(mods: SdScriptsModules, train_toml: Path, dataset_toml: Path) -> 
 
 def check_key(checkout: Path, train_toml: Path, dataset_toml: Path, run_dir: Path) -> str:
     """What the check's verdict depends on, as one digest (see the module's docstring)."""
-    h = hashlib.sha256(Path(__file__).read_bytes())
     root = Path(checkout).resolve()
-    h.update(f"{root}|{sys.version}\n".encode())
-    for sub in CODE_DIRS:
-        files = (root / sub).glob("*.py") if sub == "." else (root / sub).rglob("*.py")
-        for f in sorted(files):
-            st = f.stat()
-            h.update(f"{f.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    for name in PACKAGES:
-        try:
-            h.update(f"{name}={metadata.version(name)}\n".encode())
-        except metadata.PackageNotFoundError:
-            h.update(f"{name}=-\n".encode())
+    files = [f for sub in CODE_DIRS for f in ((root / sub).glob("*.py") if sub == "." else (root / sub).rglob("*.py"))]
+    h = code_digest(Path(__file__), root, files, PACKAGES)
     for f in (train_toml, dataset_toml):
         h.update(Path(f).read_text(encoding="utf-8").replace(str(run_dir), "<run dir>").encode() + b"\0")
     return h.hexdigest()
