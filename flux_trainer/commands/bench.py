@@ -323,13 +323,17 @@ def numerics_met(r: BenchResult) -> bool | None:
 
 
 def _fp8_base(run_dir: str | None) -> bool:
-    """The run's sd-scripts TOML stores the base model in fp8 (a tier's own choice, not an override)."""
-    toml = Path(run_dir or "") / "sd_scripts.toml"
-    if not run_dir or not toml.is_file():
-        return False
-    import tomli
+    """The run's trainer TOML stores the base model in fp8 (a tier's own choice, not an override). Its keys sit in
+    tables ([precision], [memory], ...), which the trainers flatten one level when they read the file: so here too."""
+    for name in ("sd_scripts.toml", "musubi_tuner.toml"):
+        toml = Path(run_dir or "") / name
+        if run_dir and toml.is_file():
+            import tomli
 
-    return bool(tomli.loads(toml.read_text()).get("fp8_base"))
+            doc = tomli.loads(toml.read_text())
+            flat = {**{k: v for t in doc.values() if isinstance(t, dict) for k, v in t.items()}, **doc}
+            return bool(flat.get("fp8_base"))
+    return False
 
 
 def _num(v: float | None, spec: str = ".4f") -> str:

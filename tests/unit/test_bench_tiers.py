@@ -93,3 +93,15 @@ def test_a_table_of_several_benches_keeps_each_tiers_last_finished_run_and_names
     assert rows["vram32"]["settings"] == ["memory.fp8_base=true"]
     text = tier_table(list(rows.values()))
     assert "| vram32 (memory.fp8_base=true) |" in text and "| - |" in text  # no plain run: no ratio
+
+
+@pytest.mark.parametrize("tier, fp8", [("vram24", True), ("vram80", False)])
+def test_numerics_take_the_fp8_tolerance_from_the_tier_s_own_toml(compose, tmp_path, tier, fp8):
+    """A tier whose TOML has an fp8 base (in its [precision] table, as written) is judged at 4%, the others at 2%."""
+    from flux_trainer.sdscripts.translate import RunPaths, training_document
+
+    doc = training_document(compose("+dataset=mychar", f"memory={tier}"), RunPaths(tmp_path))
+    (tmp_path / "sd_scripts.toml").write_text(doc.dumps())
+    r = BenchResult(case=f"{tier}_k-auto_1024", overrides=[f"memory={tier}"], exit_code=0, run_dir=str(tmp_path),
+                    loss_rel_diff=0.03, lora_cosine=0.999)  # fmt: skip
+    assert bench.numerics_met(r) is fp8  # 3% apart: within fp8's 4%, over bf16's 2%
