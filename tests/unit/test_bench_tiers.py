@@ -105,3 +105,13 @@ def test_numerics_take_the_fp8_tolerance_from_the_tier_s_own_toml(compose, tmp_p
     r = BenchResult(case=f"{tier}_k-auto_1024", overrides=[f"memory={tier}"], exit_code=0, run_dir=str(tmp_path),
                     loss_rel_diff=0.03, lora_cosine=0.999)  # fmt: skip
     assert bench.numerics_met(r) is fp8  # 3% apart: within fp8's 4%, over bf16's 2%
+
+
+def test_the_table_of_json_files_judges_fp8_as_the_bench_did(tmp_path):
+    """`--table` reads results away from their run dirs: the fp8 base read at the bench travels in the JSON."""
+    r = BenchResult(case="vram16_k-auto_1024", overrides=["memory=vram16"], exit_code=0, run_dir="/gone",
+                    loss_rel_diff=0.03, lora_cosine=0.999, fp8_base=True)  # fmt: skip
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"results": [bench.asdict(r)]}))
+    assert bench.numerics_met(bench.results_from([path])[0]) is True
+    assert bench.numerics_met(BenchResult(**{**bench.asdict(r), "fp8_base": None})) is False  # no TOML at /gone
