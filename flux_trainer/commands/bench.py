@@ -97,6 +97,7 @@ class BenchResult:
     # the model's architecture (its preset's model.model_type / model_version): which trainer, which tier targets
     model_type: str | None = None
     model_version: str | None = None
+    plain_ratio: float | None = None  # --baseline: the plain trainer's s/step over ours (its speed-up: > 1 is faster)
 
 
 def _reading(fn) -> float | None:
@@ -327,6 +328,9 @@ def compare_to_plain(ours: BenchResult, plain: BenchResult) -> None:
     ours.compared_to = plain.case
     for k, v in compare_runs(Path(plain.run_dir), Path(ours.run_dir)).items():
         setattr(ours, k, v)
+    files = [lora_file(Path(d)) for d in (ours.run_dir, plain.run_dir)]
+    if None not in files:
+        ours.notes.append(f"lora compared: {files[0]} against {files[1]}")
 
 
 # issue 58's numerics per tier: the mean per-step loss difference within 2% with bf16 matmuls, 4% with fp8 ones
@@ -692,6 +696,20 @@ def table(results: list[BenchResult]) -> str:
     return "\n".join(lines)
 
 
+def ratio_table(results: list[BenchResult]) -> str:
+    """Each case that has the plain trainer's run beside it: both s/step and the ratio."""
+    plain = {base: r for r in results if (base := plain_base(r.case)) is not None}
+    head = f"{'case':<40} {'s/step':>7} {'plain':>7} {'ratio':>6}  plain trainer"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.case in plain:
+            b = plain[r.case]
+            ratio = "-" if r.plain_ratio is None else f"{r.plain_ratio:.2f}x"
+            lines.append(f"{r.case[:40]:<40} {_num(r.s_per_step, '.3f'):>7} {_num(b.s_per_step, '.3f'):>7} "
+                         f"{ratio:>6}  {plain_trainer(b.case)}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def abba_summary(first: list[BenchResult], second: list[BenchResult]) -> list[dict]:
     """Each case's s/step in both passes (the second ran in reverse order) and their mean, and that mean over the
     first case's. Over the two passes a drift that is linear in time (clocks, temperature, caches filling) adds
@@ -796,11 +814,15 @@ def bench_main(argv: list[str]) -> int:
         baseline = ns.baseline and run_pass == 1 and last_set and results[-1].run_dir
         if baseline:
             results.append(run_baseline(results[-1], ns))
+            if results[-2].s_per_step and results[-1].s_per_step:
+                results[-2].plain_ratio = results[-1].s_per_step / results[-2].s_per_step
             if len(ns.kernels) == 1 and results[-1].run_dir:  # one kernel set: its numerics against the plain run
                 compare_to_plain(results[-2], results[-1])
         print(table(results[-2 if baseline else -1 :]), flush=True)
     text = table(results)
     print("\n" + text)
+    if any(plain_base(r.case) for r in results):
+        print(f"\nagainst the plain trainer on the same TOMLs (ratio: its s/step over ours)\n{ratio_table(results)}")
     abba = abba_summary(ours, again[::-1]) if ns.abba else None
     if abba:
         print(f"\nA B B A: each case's s/step in both passes and their mean\n{abba_table(abba)}")
