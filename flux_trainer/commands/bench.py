@@ -250,14 +250,12 @@ def losses(tb_dir: Path) -> dict[int, float]:
     return out
 
 
-# the copy in ComfyUI's keys a FLUX.2 / Kontext run writes beside musubi-tuner's own file (musubi.lora_format)
-COMFY_SUFFIX = ".comfy.safetensors"
-
-
 def lora_file(run_dir: Path) -> Path | None:
     """The run's final LoRA in its trainer's own format: the newest .safetensors directly in its folder (not in a
     subfolder: the plain trainer's run lives in ours' `baseline/`, and its LoRA, written later, is not ours), never
     the ComfyUI copy a musubi-tuner run of ours writes after it (the plain run has none: like is compared with like)."""
+    from flux_trainer.musubi.lora_format import COMFY_SUFFIX  # the copy's name (stdlib-only module)
+
     files = [p for p in Path(run_dir).glob("*.safetensors") if not p.name.endswith(COMFY_SUFFIX)]
     files.sort(key=lambda p: p.stat().st_mtime)
     return files[-1] if files else None
