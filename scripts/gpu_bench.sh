@@ -26,8 +26,8 @@ mkdir -p /tmp/pkgs && ln -sfn "${KERNELS:-$REPO/kernels}" /tmp/pkgs/flux_kernels
 ln -sfn "$REPO/flux_trainer" /tmp/pkgs/flux_trainer   # this checkout's, whatever a warm machine's /tmp/site holds
 CACHE=${FLUX_TRAIN_CACHE:-/tmp/ftcache}
 if [ "$CACHE" != /tmp/ftcache ]; then mkdir -p "$CACHE" /tmp/ftcache/models && ln -sfn /tmp/ftcache/models "$CACHE/models"; fi
-# /tmp/pkgs before /tmp/site: a warm machine's /tmp/site may hold another copy of flux_trainer, which would otherwise
-# run instead of this one
+# /tmp/pkgs before /tmp/site: a warm machine's /tmp/site may hold another copy of flux_trainer (seen 2026-11-28: a
+# bench ran that copy, not the checkout's), which would otherwise run instead of this one
 export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}/tmp/pkgs:/tmp/site:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=$CACHE
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
 MODEL=random; prev=
