@@ -23,12 +23,9 @@ REPO=$PWD
 python3 -m compileall -q -j 0 "$REPO/flux_trainer" "$REPO/kernels" "$REPO/.gpu/sd-scripts" > /dev/null 2>&1 || true
 [ ! -d "$REPO/.gpu/musubi-tuner" ] || python3 -m compileall -q -j 0 "$REPO/.gpu/musubi-tuner/src" > /dev/null 2>&1 || true
 mkdir -p /tmp/pkgs && ln -sfn "${KERNELS:-$REPO/kernels}" /tmp/pkgs/flux_kernels   # the wheel maps kernels/ -> flux_kernels
-ln -sfn "$REPO/flux_trainer" /tmp/pkgs/flux_trainer   # this checkout's, whatever a warm machine's /tmp/site holds
 CACHE=${FLUX_TRAIN_CACHE:-/tmp/ftcache}
 if [ "$CACHE" != /tmp/ftcache ]; then mkdir -p "$CACHE" /tmp/ftcache/models && ln -sfn /tmp/ftcache/models "$CACHE/models"; fi
-# /tmp/pkgs before /tmp/site: a warm machine's /tmp/site may hold another copy of flux_trainer (seen 2026-11-28: a
-# bench ran that copy, not the checkout's), which would otherwise run instead of this one
-export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}/tmp/pkgs:/tmp/site:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=$CACHE
+export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}/tmp/site:/tmp/pkgs:$REPO FLUX_TRAIN_SD_SCRIPTS=$REPO/.gpu/sd-scripts FLUX_TRAIN_CACHE=$CACHE
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
 MODEL=random; prev=
 for arg in "$@"; do   # the bench's --model (its default: FLUX.1's random)
