@@ -29,7 +29,7 @@ def _kind(action: argparse.Action) -> str:
         return "bool"
     if action.nargs in ("*", "+") or isinstance(action.nargs, int):
         return "list"
-    name = getattr(action.type, "__name__", None)
+    name = (getattr(action.type, "__name__", None) or "").lstrip("_")  # musubi-tuner's is `_int_or_float`
     if action.type is None:
         return "str"
     return {"int": "int", "float": "float", "str": "str", "Path": "path", "int_or_float": "number"}.get(name, "str")

@@ -1,21 +1,24 @@
-"""`flux-train bench`: real sd-scripts training steps on the random full-size FLUX, through the same launcher
-and runner as training, for several presets / kernel sets / resolutions; a table and JSON.
+"""`flux-train bench`: real training steps on a random full-size model, through the same launcher and runner as
+training, for several presets / kernel sets / resolutions; a table and JSON. FLUX.1 (and Chroma) train on sd-scripts;
+FLUX.2 [klein] and Kontext (`--model random_flux2_klein_4b`, `random_flux2_klein_9b`, `random_kontext`) on
+musubi-tuner, and `--baseline` runs plain musubi-tuner beside them (flux_trainer.musubi.baseline).
 
     flux-train bench --cases memory=vram80 memory=vram48 --kernels off auto --steps 20 --baseline
     flux-train bench --cases memory=vram24 --vram-cap 24      # prove a 24 GB card's preset on a bigger card
     flux-train bench --cases memory=vram48 --kernels off fp8+kernels.cuda_graphs=true   # one set's own overrides
     flux-train bench --kernels fp8 "fp8+kernels.set='auto,fp8_matmul,-single_qkv'" --abba   # A B B A
     flux-train bench --tiers                  # every memory tier at its card's size, plain sd-scripts beside each
-                                              # (one kernel set: its numerics against plain sd-scripts' run)
+                                              # (one kernel set: its numerics against the plain trainer's run)
     flux-train bench --tiers vram8 vram12 --kernels off auto --steps 25   # with numerics against kernels=off
     flux-train bench --table a.json b.json    # the tier table of benches run apart (one machine per tier group)
+    flux-train bench --model random_flux2_klein_4b --tiers   # klein 4B's tiers (8, 12, 16), plain musubi-tuner beside
 
-Step time is measured the same way for flux-train and for plain sd-scripts (`--baseline`): the wall time
-between successive `loss/current` TensorBoard events, which sd-scripts writes once per optimizer step after
-`loss.item()` has waited for the device (for the whole step; with flux-train's `train.sync_free`, the default, for
-that step's forward: either way once a step, so the events are a step apart). Peak memory: torch's peak
-allocated (our `vram/peak_gib` tag) and the peak NVML reading of the whole card, polled while the run lasts (plain
-sd-scripts has only the latter).
+Step time is measured the same way for flux-train and for the plain trainer (`--baseline`): the wall time
+between successive `loss/current` TensorBoard events, which sd-scripts and musubi-tuner alike write once per
+optimizer step after `loss.item()` has waited for the device (for the whole step; with flux-train's
+`train.sync_free`, the default, for that step's forward: either way once a step, so the events are a step apart).
+Peak memory: torch's peak allocated (our `vram/peak_gib` tag) and the peak NVML reading of the whole card, polled
+while the run lasts (the plain trainer has only the latter).
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flux_trainer.backend import SDSCRIPTS
+from flux_trainer.commands.bench_models import (
+    PLAIN_SUFFIXES,
+    bench_model,
+    default_tiers,
+    plain_base,
+    plain_trainer,
+    tier_target,
+)
 from flux_trainer.config.paths import cache_root
 from flux_trainer.sdscripts.runner import VRAM_CAP_ENV
 
@@ -85,6 +97,10 @@ class BenchResult:
     lora_up_min_group: str | None = None
     run_dir: str | None = None
     notes: list[str] = field(default_factory=list)
+    # the model's architecture (its preset's model.model_type / model_version): which trainer, which tier targets
+    model_type: str | None = None
+    model_version: str | None = None
+    plain_ratio: float | None = None  # --baseline: the plain trainer's s/step over ours (its speed-up: > 1 is faster)
 
 
 def _reading(fn) -> float | None:
@@ -238,9 +254,13 @@ def losses(tb_dir: Path) -> dict[int, float]:
 
 
 def lora_file(run_dir: Path) -> Path | None:
-    """The run's final LoRA: the newest .safetensors directly in its folder (not in a subfolder: plain sd-scripts'
-    run lives in ours' `baseline/`, and its LoRA, written later, is not ours)."""
-    files = sorted(Path(run_dir).glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+    """The run's final LoRA in its trainer's own format: the newest .safetensors directly in its folder (not in a
+    subfolder: the plain trainer's run lives in ours' `baseline/`, and its LoRA, written later, is not ours), never
+    the ComfyUI copy a musubi-tuner run of ours writes after it (the plain run has none: like is compared with like)."""
+    from flux_trainer.musubi.lora_format import COMFY_SUFFIX  # the copy's name (stdlib-only module)
+
+    files = [p for p in Path(run_dir).glob("*.safetensors") if not p.name.endswith(COMFY_SUFFIX)]
+    files.sort(key=lambda p: p.stat().st_mtime)
     return files[-1] if files else None
 
 
@@ -305,12 +325,15 @@ def compare_kernel_sets(results: list[BenchResult], plan: list[tuple[str, list[s
 
 
 def compare_to_plain(ours: BenchResult, plain: BenchResult) -> None:
-    """Our run's numerics against plain sd-scripts on the same TOMLs (same seed and data; none of our runner, hooks or
-    kernels: a stricter reference than kernels=off, which still runs our runner), in place."""
+    """Our run's numerics against the plain trainer on the same TOMLs (same seed and data; none of our runner, hooks
+    or kernels: a stricter reference than kernels=off, which still runs our runner), in place."""
     ours.compared_to = plain.case
     ours.fp8_base = _fp8_base(ours.run_dir)
     for k, v in compare_runs(Path(plain.run_dir), Path(ours.run_dir)).items():
         setattr(ours, k, v)
+    files = [lora_file(Path(d)) for d in (ours.run_dir, plain.run_dir)]
+    if None not in files:
+        ours.notes.append(f"lora compared: {files[0]} against {files[1]}")
 
 
 # issue 58's numerics per tier: the mean per-step loss difference within 2% with bf16 matmuls, 4% with fp8 ones
@@ -348,30 +371,50 @@ def _num(v: float | None, spec: str = ".4f") -> str:
 
 
 def numerics_table(results: list[BenchResult]) -> str:
-    head = (f"{'case':<36} {'against':<36} {'loss diff':>9} {'bias':>8} {'LoRA cos':>8} {'up cos':>8} "
+    head = (f"{'case':<36} {'against':<40} {'loss diff':>9} {'bias':>8} {'LoRA cos':>8} {'up cos':>8} "
             f"{'1st step +s':>11}  lowest up cos (module kind)")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in results:
         if r.compared_to:
             worst = "-" if r.lora_up_min_cosine is None else f"{r.lora_up_min_cosine:.4f} ({r.lora_up_min_group})"
             lines.append(
-                f"{r.case[:36]:<36} {r.compared_to[:36]:<36} {_num(r.loss_rel_diff):>9} "
+                f"{r.case[:36]:<36} {r.compared_to[:40]:<40} {_num(r.loss_rel_diff):>9} "
                 f"{_num(r.loss_rel_bias, '+.4f'):>8} {_num(r.lora_cosine):>8} {_num(r.lora_up_cosine):>8} "
                 f"{_num(r.step1_extra_s, '.1f'):>11}  {worst}"
             )
     return "\n".join(lines)
 
 
-def bench_dataset(resolution: int) -> tuple[Path, str]:
-    """4 generated captioned images at the resolution, and a dataset config naming them."""
+def bench_dataset(resolution: int, control: bool = False) -> tuple[Path, str]:
+    """4 generated captioned images at the resolution, and a dataset config naming them; with `control` (FLUX.1
+    Kontext) a reference image for each, the image mirrored, named as it is (`control_images:`)."""
     from flux_trainer.commands.dataset import write_dataset_config
     from flux_trainer.commands.demo import make_demo_dataset
 
     root = cache_root() / "bench"
     images = make_demo_dataset(root / f"images-{resolution}", n=4, size=resolution)
-    name = f"bench{resolution}"
-    write_dataset_config(root / "configs", name, images, resolution=resolution, repeats=10, force=True)
+    name, extra = f"bench{resolution}", None
+    if control:
+        refs = references(images, root / f"refs-{resolution}")
+        name, extra = f"bench{resolution}_control", {"control_images": str(refs)}
+    write_dataset_config(root / "configs", name, images, resolution=resolution, repeats=10, force=True, extra=extra)
     return root / "configs", name
+
+
+def references(images: Path, folder: Path) -> Path:
+    """Each PNG of `images` mirrored left to right into `folder` under its own name: Kontext's reference images
+    (written once; a reference newer than its image is kept)."""
+    from PIL import Image, ImageOps
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for image in sorted(images.glob("*.png")):
+        ref = folder / image.name
+        if not ref.is_file() or ref.stat().st_mtime < image.stat().st_mtime:
+            tmp = folder / f".{image.name}.tmp.png"
+            with Image.open(image) as im:
+                ImageOps.mirror(im.convert("RGB")).save(tmp)
+            tmp.replace(ref)
+    return folder
 
 
 def kernel_overrides(spec: str) -> list[str]:
@@ -396,7 +439,8 @@ def run_case(name: str, overrides: list[str], res: int, ns: argparse.Namespace, 
     from flux_trainer.commands.train import run_training
     from flux_trainer.config.paths import user_config_dirs
 
-    configs, dataset = bench_dataset(res)
+    model = bench_model(ns.model)
+    configs, dataset = bench_dataset(res, control=model.model_type == "kontext")
     full = [
         f"+dataset={dataset}",
         f"model={ns.model}",
@@ -413,7 +457,8 @@ def run_case(name: str, overrides: list[str], res: int, ns: argparse.Namespace, 
     with CardPoller(case_cards(full)) as poller:
         code = run_training(full, [*user_config_dirs(), configs])
     runs = sorted((root / name).glob("*/"))
-    result = BenchResult(case=name, overrides=full, exit_code=code, card_peak_gib=poller.peak_gib)
+    result = BenchResult(case=name, overrides=full, exit_code=code, card_peak_gib=poller.peak_gib,
+                         model_type=model.model_type, model_version=model.model_version)  # fmt: skip
     if runs:
         result.run_dir = str(runs[-1])
         _measured(result, runs[-1] / "tb", ns.warmup, t0, poller)
@@ -434,14 +479,45 @@ def _measured(result: BenchResult, tb_dir: Path, warmup: int, t0: float, poller:
 
 
 def run_baseline(ours: BenchResult, ns: argparse.Namespace) -> BenchResult:
-    """Plain sd-scripts on our run's own TOMLs: its flux_train_network.py, none of our runner or hooks."""
+    """The plain trainer on our run's own TOMLs, its output and TensorBoard in ours' `baseline/`, measured as ours
+    is: plain sd-scripts' flux_train_network.py for a FLUX.1 run, plain musubi-tuner's training script for a FLUX.2 /
+    Kontext run (flux_trainer.musubi.baseline: from our run's caches, not cached again); none of our runner or hooks."""
+    from flux_trainer.backend import MUSUBI
     from flux_trainer.launch.supervise import run_supervised
-    from flux_trainer.sdscripts.runner import RunnerSpec
 
     run_dir = Path(ours.run_dir)
-    spec = RunnerSpec.read(run_dir)
     out = run_dir / "baseline"
-    cmd = [
+    backend = json.loads((run_dir / "runner.json").read_text()).get("backend")
+    if backend == MUSUBI:
+        from flux_trainer.musubi.baseline import plain_command
+
+        cmd = plain_command(run_dir, out)
+    else:
+        cmd = sd_scripts_command(run_dir, out)
+    env = {**os.environ, **json.loads((run_dir / "env.json").read_text()).get("env", {})}
+    env.pop(VRAM_CAP_ENV, None)
+    t0 = time.time()
+    with CardPoller(case_cards(ours.overrides)) as poller:
+        code = run_supervised(cmd, env, out / "train.log")
+    result = BenchResult(
+        case=f"{ours.case} {PLAIN_SUFFIXES[backend or SDSCRIPTS]}",
+        overrides=cmd,
+        exit_code=code,
+        card_peak_gib=poller.peak_gib,
+        run_dir=str(out),
+        model_type=ours.model_type,
+        model_version=ours.model_version,
+    )
+    _measured(result, out / "tb", ns.warmup, t0, poller)
+    return result
+
+
+def sd_scripts_command(run_dir: Path, out: Path) -> list[str]:
+    """Plain sd-scripts' flux_train_network.py on the run's TOMLs (accelerate launch, the run's accelerate.yaml)."""
+    from flux_trainer.sdscripts.runner import RunnerSpec
+
+    spec = RunnerSpec.read(run_dir)
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -458,20 +534,6 @@ def run_baseline(ours: BenchResult, ns: argparse.Namespace) -> BenchResult:
         "--logging_dir",
         str(out / "tb"),
     ]
-    env = {**os.environ, **json.loads((run_dir / "env.json").read_text()).get("env", {})}
-    env.pop(VRAM_CAP_ENV, None)
-    t0 = time.time()
-    with CardPoller(case_cards(ours.overrides)) as poller:
-        code = run_supervised(cmd, env, out / "train.log")
-    result = BenchResult(
-        case=f"{ours.case} (plain sd-scripts)",
-        overrides=cmd,
-        exit_code=code,
-        card_peak_gib=poller.peak_gib,
-        run_dir=str(out),
-    )
-    _measured(result, out / "tb", ns.warmup, t0, poller)
-    return result
 
 
 # two tiers within this fraction of each other's s/step are equally fast: the same settings on two cards of one host
@@ -494,8 +556,9 @@ def case_cap(vram_cap: str | None, overrides: list[str]) -> float | None:
     return tier_gib(tier) - DISPLAY_HEADROOM_GIB if tier.startswith("vram") else None
 
 
-# What each tier is meant to reach (H200 at the tier's cap, 1024², LoRA r16, batch 1): s/step, and the least speed-up
-# over plain sd-scripts on the same TOMLs where one is set. A larger tier must also be no slower than a smaller one.
+# What each tier is meant to reach with FLUX.1-dev (H200 at the tier's cap, 1024², LoRA r16, batch 1): s/step, and the
+# least speed-up over plain sd-scripts on the same TOMLs where one is set. A larger tier must also be no slower than a
+# smaller one. Models trained on musubi-tuner have their own (bench_models.tier_target): a ratio, no s/step.
 TIER_TARGETS = {
     "vram8": (0.80, 1.8),
     "vram12": (0.58, None),
@@ -527,27 +590,27 @@ def _override(overrides: list[str], key: str) -> str | None:
 
 
 def tier_rows(results: list[BenchResult]) -> list[dict]:
-    """One row per tier: our run (the last kernel set measured on it), plain sd-scripts on its TOMLs, the ratio, the
-    card peaks against the tier's size less the display's headroom, the target and the numerics against the first
-    kernel set where one was compared."""
+    """One row per tier: our run (the last kernel set measured on it), the plain trainer on its TOMLs, the ratio, the
+    card peaks against the tier's size less the display's headroom, the target (the model's: FLUX.1-dev's s/step
+    targets are not a 4B model's) and the numerics against the first kernel set where one was compared."""
     from flux_trainer.config.tiers import TIERS
     from flux_trainer.config.validate import tier_gib
 
-    plain = {r.case.removesuffix(" (plain sd-scripts)"): r for r in results if r.case.endswith("(plain sd-scripts)")}
+    plain = {base: r for r in results if (base := plain_base(r.case)) is not None}
     ours: dict[str, BenchResult] = {}
 
     def rank(r: BenchResult) -> tuple[bool, bool]:
         return r.exit_code == 0 and r.s_per_step is not None, r.case in plain
 
-    for r in results:  # per tier the last run that finished, with plain sd-scripts beside it where one has it
+    for r in results:  # per tier the last run that finished, with the plain trainer beside it where one has it
         tier = _override(r.overrides, "memory")
-        if tier and not r.case.endswith("(plain sd-scripts)") and (tier not in ours or rank(r) >= rank(ours[tier])):
+        if tier and plain_base(r.case) is None and (tier not in ours or rank(r) >= rank(ours[tier])):
             ours[tier] = r
     cards, rows = tier_cards(), []
     for tier in sorted(ours, key=lambda t: -TIERS.index(t) if t in TIERS else 0):
         r, b = ours[tier], plain.get(ours[tier].case)
         limit = (tier_gib(tier) or 0) - DISPLAY_HEADROOM_GIB
-        target, speedup = TIER_TARGETS.get(tier, (None, None))
+        target, speedup = tier_target(r.model_type, r.model_version, TIER_TARGETS.get(tier, (None, None)))
         ratio = b.s_per_step / r.s_per_step if b and b.s_per_step and r.s_per_step else None
         met = [
             r.exit_code == 0 and r.s_per_step is not None,
@@ -566,6 +629,8 @@ def tier_rows(results: list[BenchResult]) -> list[dict]:
             "lora_cosine": r.lora_cosine, "compared_to": r.compared_to, "numerics_met": numerics_met(r),
             "first_step_s": r.first_step_s,
             "plain_first_step_s": b.first_step_s if b else None,
+            "model_type": r.model_type, "model_version": r.model_version,
+            "plain_trainer": plain_trainer(b.case) if b else None,
         })  # fmt: skip
     for smaller, larger in zip(rows, rows[1:], strict=False):  # a larger tier is never slower than a smaller one
         if None not in (smaller["s_per_step"], larger["s_per_step"]) and (
@@ -585,9 +650,10 @@ def case_settings(overrides: list[str]) -> list[str]:
 
 def tier_table(rows: list[dict]) -> str:
     """The tier rows as a Markdown table (README's comes from it)."""
+    trainers = sorted({w["plain_trainer"] for w in rows if w.get("plain_trainer")}) or ["sd-scripts"]
     lines = [
-        "| tier | cards (memory=auto) | flux-train s/step | plain sd-scripts | ratio | card peak ours / plain | "
-        "limit | target | met | loss diff / LoRA cos (against) |",
+        f"| tier | cards (memory=auto) | flux-train s/step | plain {' / '.join(trainers)} | ratio | "
+        "card peak ours / plain | limit | target | met | loss diff / LoRA cos (against) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for w in rows:
@@ -596,7 +662,7 @@ def tier_table(rows: list[dict]) -> str:
             f">= {w['target_ratio']}x" if w["target_ratio"] else "",
             f"<= {w['slower_than']}" if w.get("slower_than") else "",
         ) if x) or "-"  # fmt: skip
-        against = "plain" if (w.get("compared_to") or "").endswith("(plain sd-scripts)") else "kernels=off"
+        against = "plain" if plain_base(w.get("compared_to") or "") is not None else "kernels=off"
         numerics = (f"{w['loss_rel_diff'] * 100:.2f}% / {w['lora_cosine']:.4f} ({against})"
                     if w["loss_rel_diff"] is not None and w["lora_cosine"] is not None else "-")  # fmt: skip
         tier = w["tier"] + (f" ({', '.join(w['settings'])})" if w.get("settings") else "")
@@ -621,7 +687,7 @@ def results_from(paths: list[Path]) -> list[BenchResult]:
 
 def table(results: list[BenchResult]) -> str:
     head = (
-        f"{'case':<36} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'rsv pk':>6} "
+        f"{'case':<40} {'exit':>4} {'s/step':>7} {'min-max':>13} {'mean':>6} {'torch pk':>8} {'rsv pk':>6} "
         f"{'card pk':>8} {'img/s':>5} {'TFLOP/s':>7} {'MFU':>5} {'W':>4} {'SM MHz':>6} {'J/step':>6} "
         f"{'1st step':>8} {'+s 1st/2nd':>11}"
     )
@@ -630,13 +696,27 @@ def table(results: list[BenchResult]) -> str:
         rng = f"{_num(r.s_min, '.3f')}-{_num(r.s_max, '.3f')}" if r.s_min is not None else "-"
         extra = f"{_num(r.step1_extra_s, '.1f')}/{_num(r.step2_extra_s, '.1f')}"
         lines.append(
-            f"{r.case[:36]:<36} {r.exit_code:>4} {_num(r.s_per_step, '.3f'):>7} {rng:>13} {_num(r.s_mean, '.3f'):>6} "
+            f"{r.case[:40]:<40} {r.exit_code:>4} {_num(r.s_per_step, '.3f'):>7} {rng:>13} {_num(r.s_mean, '.3f'):>6} "
             f"{_num(r.torch_peak_gib, '.1f'):>8} {_num(r.reserved_peak_gib, '.1f'):>6} "
             f"{_num(r.card_peak_gib, '.1f'):>8} {_num(r.images_per_s, '.2f'):>5} {_num(r.tflops, '.0f'):>7} "
             f"{_num(r.mfu, '.2f'):>5} "
             f"{_num(r.power_w, '.0f'):>4} {_num(r.sm_clock_mhz, '.0f'):>6} {_num(r.energy_j, '.0f'):>6} "
             f"{_num(r.first_step_s, '.0f'):>8} {extra:>11}"
         )
+    return "\n".join(lines)
+
+
+def ratio_table(results: list[BenchResult]) -> str:
+    """Each case that has the plain trainer's run beside it: both s/step and the ratio."""
+    plain = {base: r for r in results if (base := plain_base(r.case)) is not None}
+    head = f"{'case':<40} {'s/step':>7} {'plain':>7} {'ratio':>6}  plain trainer"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.case in plain:
+            b = plain[r.case]
+            ratio = "-" if r.plain_ratio is None else f"{r.plain_ratio:.2f}x"
+            lines.append(f"{r.case[:40]:<40} {_num(r.s_per_step, '.3f'):>7} {_num(b.s_per_step, '.3f'):>7} "
+                         f"{ratio:>6}  {plain_trainer(b.case)}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -686,11 +766,14 @@ def bench_main(argv: list[str]) -> int:
     ap.add_argument(
         "--model",
         default="random",
-        help="random (full size, default), random_tiny, random_chroma or random_chroma_tiny",
+        help="random (FLUX.1-dev full size, default), random_tiny, random_chroma, random_chroma_tiny; on musubi-tuner: "
+        "random_flux2_klein_4b, random_flux2_klein_9b, random_kontext (full size), random_flux2_klein_tiny, "
+        "random_kontext_tiny",
     )
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="measured steps after the warm-up")
-    ap.add_argument("--baseline", action="store_true", help="also run plain sd-scripts on each case's TOMLs")
+    ap.add_argument("--baseline", action="store_true", help="also run the plain trainer (sd-scripts, or musubi-tuner "
+                    "for FLUX.2 / Kontext) on each case's TOMLs")  # fmt: skip
     ap.add_argument(
         "--vram-cap",
         help="treat the card as having this many GiB (its CUDA context included); 'tier': each "
@@ -700,9 +783,9 @@ def bench_main(argv: list[str]) -> int:
     ap.add_argument("--json", type=Path, help="write the results here (default <root>/bench-<time>.json)")
     ap.add_argument("--abba", action="store_true", help="run every case twice, the second pass in reverse order "
                     "(A B B A), and compare the cases' mean s/step over both passes")  # fmt: skip
-    ap.add_argument("--tiers", nargs="*", metavar="TIER", help="every memory tier (or those named) at its size less "
-                    "the display's 0.5 GiB (--vram-cap tier), plain sd-scripts beside each (--baseline); prints the "
-                    "tier table")  # fmt: skip
+    ap.add_argument("--tiers", nargs="*", metavar="TIER", help="every memory tier (or those named; FLUX.2 klein: "
+                    "its own, 4B vram8 vram12 vram16, 9B vram12 vram16 vram24) at its size less the display's 0.5 GiB "
+                    "(--vram-cap tier), the plain trainer beside each (--baseline); prints the tier table")  # fmt: skip
     ap.add_argument("--table", nargs="+", type=Path, metavar="JSON", help="print the tier table of earlier benches' "
                     "JSON files (tiers measured apart, on several machines) and stop")  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every case")
@@ -716,7 +799,7 @@ def bench_main(argv: list[str]) -> int:
         unknown = [t for t in ns.tiers if t not in TIERS]
         if unknown:
             ap.error(f"--tiers {' '.join(unknown)}: choose from {' '.join(reversed(TIERS))}")
-        ns.cases = [f"memory={t}" for t in (ns.tiers or reversed(TIERS))]
+        ns.cases = [f"memory={t}" for t in (ns.tiers or default_tiers(bench_model(ns.model)) or reversed(TIERS))]
         ns.kernels = ns.kernels or ["auto"]
         ns.vram_cap, ns.baseline = ns.vram_cap or "tier", True
     ns.kernels = ns.kernels or ["off"]
@@ -736,23 +819,28 @@ def bench_main(argv: list[str]) -> int:
         results.append(run_case(name, overrides, res, ns, root))
         results[-1].notes.append(f"vram_cap_gib={cap}")
         (ours if run_pass == 1 else again).append(results[-1])
-        # plain sd-scripts once per case, on the TOMLs of its last kernel set (the one a tier table reports)
+        # the plain trainer once per case, on the TOMLs of its last kernel set (the one a tier table reports)
         last_set = overrides[-len(kernel_overrides(ns.kernels[-1])) :] == kernel_overrides(ns.kernels[-1])
         baseline = ns.baseline and run_pass == 1 and last_set and results[-1].run_dir
         if baseline:
             results.append(run_baseline(results[-1], ns))
-            if len(ns.kernels) == 1 and results[-1].run_dir:  # one kernel set: its numerics against plain sd-scripts
+            if results[-2].s_per_step and results[-1].s_per_step:
+                results[-2].plain_ratio = results[-1].s_per_step / results[-2].s_per_step
+            if len(ns.kernels) == 1 and results[-1].run_dir:  # one kernel set: its numerics against the plain run
                 compare_to_plain(results[-2], results[-1])
         print(table(results[-2 if baseline else -1 :]), flush=True)
     text = table(results)
     print("\n" + text)
+    if any(plain_base(r.case) for r in results):
+        print(f"\nagainst the plain trainer on the same TOMLs (ratio: its s/step over ours)\n{ratio_table(results)}")
     abba = abba_summary(ours, again[::-1]) if ns.abba else None
     if abba:
         print(f"\nA B B A: each case's s/step in both passes and their mean\n{abba_table(abba)}")
     if len(ns.kernels) > 1:
         compare_kernel_sets(ours, plan, ns.kernels[0])
     if any(r.compared_to for r in ours):
-        against = f"kernels={ns.kernels[0]}" if len(ns.kernels) > 1 else "plain sd-scripts on the same TOMLs"
+        trainer = plain_trainer(bench_model(ns.model).plain_suffix)
+        against = f"kernels={ns.kernels[0]}" if len(ns.kernels) > 1 else f"plain {trainer} on the same TOMLs"
         print(f"\nnumerics against {against} (same seed and data; 1st step +s: its compute time minus "
               f"the median step)\n{numerics_table(ours)}")  # fmt: skip
     tiers = tier_rows(results) if ns.tiers is not None else None

@@ -209,7 +209,8 @@ def _install_kontext(spec: dict[str, Any]) -> list[str]:
 
 def build_flux2_empty(part: str, shapes: dict[str, Any]) -> torch.nn.Module:
     """One FLUX.2 part with its parameters on the meta device (no memory), from musubi-tuner's classes with the
-    preset's shapes over klein 4B's, so the fields a preset does not name (theta, AE resolution) are musubi-tuner's."""
+    preset's shapes over klein 4B's, so the fields a preset does not name (theta, AE resolution) are musubi-tuner's
+    (the text encoder: the preset's fields, tie_word_embeddings included for the 8B, over QWEN3_BASE)."""
     from accelerate import init_empty_weights
 
     flux2_models = _mod("flux_2.flux2_models")
@@ -223,7 +224,7 @@ def build_flux2_empty(part: str, shapes: dict[str, Any]) -> torch.nn.Module:
         if part == "text_encoder":
             from transformers import Qwen3Config, Qwen3ForCausalLM
 
-            return Qwen3ForCausalLM._from_config(Qwen3Config(**QWEN3_BASE, **shapes))
+            return Qwen3ForCausalLM._from_config(Qwen3Config(**{**QWEN3_BASE, **shapes}))
     raise KeyError(f"unknown FLUX.2 model part {part!r}; choose from {', '.join(FLUX2_PARTS)}")
 
 

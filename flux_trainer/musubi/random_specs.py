@@ -18,9 +18,11 @@ FLUX2_PARTS = ("dit", "vae", "text_encoder")
 QWEN3_MIN_LAYERS = 28
 STANDIN_QWEN3 = "Qwen_Qwen3-4B"  # folder under flux_trainer/standin_tokenizers; serves Qwen3-4B and -8B alike
 
-# full: klein base 4B exactly (musubi-tuner's Klein4BParams, its AutoEncoderParams, its Qwen3-4B config; a test
-# checks each against the checkout). tiny: 1 double + 1 single block of width 256, a 32-wide AE and a 64-wide,
-# 28-layer Qwen3 with a 512-token vocabulary (the stand-in tokenizer has 505), for CPU runs in seconds.
+# full: klein base 4B exactly (musubi-tuner's Klein4BParams, its AutoEncoderParams, its Qwen3-4B config), and klein
+# base 9B exactly (Klein9BParams, the same AE, its Qwen3-8B config, whose embedding is not tied: the loader still
+# fills lm_head from it, so the file has no lm_head either); a test checks each against the checkout. tiny: 1 double
+# + 1 single block of width 256, a 32-wide AE and a 64-wide, 28-layer Qwen3 with a 512-token vocabulary (the stand-in
+# tokenizer has 505), for CPU runs in seconds.
 FLUX2_PRESETS: dict[str, dict] = {
     "random_flux2_klein_4b": {
         "model_version": "klein-base-4b",
@@ -44,6 +46,32 @@ FLUX2_PRESETS: dict[str, dict] = {
             "head_dim": 128,
             "num_hidden_layers": 36,
             "vocab_size": 151936,
+        },
+        "tokenizer": STANDIN_QWEN3,
+    },
+    "random_flux2_klein_9b": {
+        "model_version": "klein-base-9b",
+        "dit": {
+            "in_channels": 128,
+            "context_in_dim": 12288,
+            "hidden_size": 4096,
+            "num_heads": 32,
+            "depth": 8,
+            "depth_single_blocks": 24,
+            "axes_dim": [32, 32, 32, 32],
+            "mlp_ratio": 3.0,
+            "use_guidance_embed": False,
+        },
+        "vae": {"ch": 128, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "z_channels": 32},
+        "text_encoder": {
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "num_hidden_layers": 36,
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
         },
         "tokenizer": STANDIN_QWEN3,
     },
@@ -76,6 +104,8 @@ FLUX2_PRESETS: dict[str, dict] = {
 # Kontext presets: the sd-scripts random set of the same architecture
 KONTEXT_PRESETS: dict[str, str] = {"random_kontext": "full", "random_kontext_tiny": "tiny"}
 FULL_SIZE = {"flux2": "random_flux2_klein_4b", "kontext": "random_kontext"}
+# the full-size FLUX.2 preset of each size musubi-tuner hard-codes (by --model_version's size): its shapes need no patch
+FULL_FLUX2_BY_SIZE = {"4b": "random_flux2_klein_4b", "9b": "random_flux2_klein_9b"}
 
 
 def preset_family(preset: str) -> str:
@@ -102,7 +132,9 @@ def flux2_preset_file(cache: Path, preset: str, part: str) -> Path:
 
 
 def flux2_needs_patch(spec: dict) -> bool:
-    """True when a FLUX.2 set's shapes (spec.json, or a preset's entry) differ from klein 4B's, which musubi-tuner's
-    loaders hard-code: then `random_model.install_random_model` must teach them the set's shapes."""
-    full = FLUX2_PRESETS[FULL_SIZE["flux2"]]
+    """True when a FLUX.2 set's shapes (spec.json, or a preset's entry) differ from those musubi-tuner's loaders
+    hard-code for its --model_version (klein 4B's or 9B's): then `random_model.install_random_model` must teach them
+    the set's shapes."""
+    size = str(spec.get("model_version", "")).rsplit("-", 1)[-1]
+    full = FLUX2_PRESETS[FULL_FLUX2_BY_SIZE.get(size, FULL_SIZE["flux2"])]
     return any(spec[part] != full[part] for part in FLUX2_PARTS)

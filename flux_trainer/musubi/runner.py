@@ -126,9 +126,11 @@ def train(spec: RunnerSpec, run_dir: Path) -> None:
     """musubi-tuner's training script's main() with our TOML, building our trainer subclass."""
     from flux_trainer.backend.tv_shim import install_torchvision_shim
     from flux_trainer.musubi.checkout import argv, import_module
+    from flux_trainer.sdscripts.runner import VRAM_CAP_ENV, apply_vram_cap
 
     progress.progress(phase="loading the model")
     install_torchvision_shim()
+    apply_vram_cap(os.environ.get(VRAM_CAP_ENV))  # `flux-train bench --vram-cap`: this card as a smaller one
     script = spec.scripts[2]
     module = import_module(spec.musubi_tuner, script)
     name = TRAINER_CLASSES[script]

@@ -64,16 +64,21 @@ def _shapes(plans) -> dict[str, tuple[int, ...]]:
 
 def test_tiny_shapes_fit_together_and_full_needs_no_patch():
     tiny, full = specs.FLUX2_PRESETS["random_flux2_klein_tiny"], specs.FLUX2_PRESETS["random_flux2_klein_4b"]
-    for preset in (tiny, full):
+    full_9b = specs.FLUX2_PRESETS["random_flux2_klein_9b"]
+    for preset in (tiny, full, full_9b):
         dit, te = preset["dit"], preset["text_encoder"]
         assert dit["context_in_dim"] == 3 * te["hidden_size"]  # three Qwen3 layers stacked per token
         assert sum(dit["axes_dim"]) == dit["hidden_size"] // dit["num_heads"]
         assert dit["in_channels"] == 4 * preset["vae"]["z_channels"]  # 2x2 patches of the AE latent
         assert te["num_hidden_layers"] >= specs.QWEN3_MIN_LAYERS
     assert specs.flux2_needs_patch(tiny) and not specs.flux2_needs_patch(full)
+    assert not specs.flux2_needs_patch(full_9b)  # musubi-tuner hard-codes 9B's shapes too, by --model_version
+    assert specs.flux2_needs_patch({**full_9b, "model_version": "klein-base-4b"})  # 9B shapes as 4B: taught
+    assert specs.flux2_needs_patch({**full, "model_version": "klein-9b"})
     assert specs.preset_family("random_kontext_tiny") == "kontext"
+    assert specs.preset_family("random_flux2_klein_9b") == "flux2"
     with pytest.raises(KeyError, match="random_flux2_klein_tiny"):
-        specs.preset_family("random_flux2_klein_9b")
+        specs.preset_family("random_flux2_klein_12b")
 
 
 def test_standin_qwen3_tokenizer_is_what_the_builder_writes(tmp_path, monkeypatch):
@@ -172,24 +177,33 @@ def test_install_is_undone_and_ignores_foreign_files(klein_tiny, musubi, tmp_pat
     assert rm.install_random_model(tmp_path / "someone_elses_dit.safetensors") == []
 
 
-# --------------------------------------------------------------------------------------- FLUX.2 klein 4B (meta)
+# ---------------------------------------------------------------------------------- FLUX.2 klein 4B, 9B (meta)
 
 
 @need_musubi
-def test_klein_4b_preset_is_what_musubi_tuner_builds_for_klein_base_4b(musubi, monkeypatch):
+@pytest.mark.parametrize(
+    ("preset", "version", "is_8b", "billions"),
+    [
+        ("random_flux2_klein_4b", "klein-base-4b", False, (3.5, 4.5)),
+        ("random_flux2_klein_9b", "klein-base-9b", True, (8.5, 9.5)),
+    ],
+)
+def test_full_klein_preset_is_what_musubi_tuner_builds_for_its_version(musubi, monkeypatch, preset, version, is_8b,
+                                                                        billions):  # fmt: skip
     from accelerate import init_empty_weights
     from transformers import Qwen3ForCausalLM
 
     flux2_utils, flux2_models = musubi("flux_2.flux2_utils"), musubi("flux_2.flux2_models")
     zimage_utils = musubi("zimage.zimage_utils")
-    full = specs.FLUX2_PRESETS["random_flux2_klein_4b"]
+    full = specs.FLUX2_PRESETS[preset]
+    assert full["model_version"] == version
     with init_empty_weights():
-        theirs_dit = flux2_models.Flux2(flux2_utils.FLUX2_MODEL_INFO["klein-base-4b"].params)
+        theirs_dit = flux2_models.Flux2(flux2_utils.FLUX2_MODEL_INFO[version].params)
         theirs_ae = flux2_models.AutoEncoder(flux2_models.AutoEncoderParams())
     assert _shapes(rm.plan_flux2_part("dit", full["dit"])) == _shapes(plan_part(theirs_dit))
     assert _shapes(rm.plan_flux2_part("vae", full["vae"])) == _shapes(plan_part(theirs_ae))
     n_dit = sum(p.numel() for p in theirs_dit.parameters())
-    assert 3.5e9 < n_dit < 4.5e9, n_dit
+    assert billions[0] * 1e9 < n_dit < billions[1] * 1e9, n_dit
 
     captured = {}
 
@@ -199,10 +213,11 @@ def test_klein_4b_preset_is_what_musubi_tuner_builds_for_klein_base_4b(musubi, m
 
     monkeypatch.setattr(zimage_utils, "Qwen3Config", capture)  # musubi-tuner's literal config, before it builds
     with pytest.raises(LookupError, match="captured"):
-        zimage_utils.load_qwen3(None, None, "cpu", state_dict={}, is_8b=False)
+        zimage_utils.load_qwen3(None, None, "cpu", state_dict={}, is_8b=is_8b)
     config = captured["config"]
     assert {k: config[k] for k in full["text_encoder"]} == full["text_encoder"]
-    assert {k: config[k] for k in rm.QWEN3_BASE} == rm.QWEN3_BASE
+    ours = {**rm.QWEN3_BASE, **full["text_encoder"]}
+    assert {k: config[k] for k in ours} == ours
     from transformers import Qwen3Config
 
     with init_empty_weights():

@@ -15,7 +15,8 @@ from tests.conftest import make_images, write_dataset
 
 MUSUBI_MODELS = [
     "flux2_klein_base_4b", "flux2_klein_base_9b", "flux2_klein_4b", "flux2_klein_9b", "flux2_dev", "flux_kontext",
-    "random_flux2_klein_tiny", "random_flux2_klein_4b", "random_kontext_tiny", "random_kontext",
+    "random_flux2_klein_tiny", "random_flux2_klein_4b", "random_flux2_klein_9b", "random_kontext_tiny",
+    "random_kontext",
 ]  # fmt: skip
 
 
