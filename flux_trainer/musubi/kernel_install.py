@@ -1,0 +1,134 @@
+"""What `kernels=` installs on musubi-tuner's FLUX.2 / Kontext training, from our trainer subclass (runner.py), never
+through the TOML (the bench runs plain musubi-tuner on our very TOMLs: a TOML key would speed up the baseline too).
+
+Of flux_kernels' registry only `compile_blocks` applies here, as its own mechanism for musubi-tuner's blocks
+(block_compile.py: verified against the eager block first). The other kernels patch sd-scripts' FLUX.1 model (its
+block ops, attention dispatch, prologue, LoRA module) and do not fit musubi-tuner's objects; they are refused by
+name before anything is made (`kernels_line`), and `auto` does without them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from flux_trainer.config import ConfigError
+
+log = logging.getLogger("flux_trainer.musubi.runner")
+MUSUBI_KERNELS = ("compile_blocks",)  # what applies to musubi-tuner's models, in install order
+WHAT = {"compile_blocks": "regional torch.compile of the double and single blocks, checked against the eager block"}
+
+
+def wanted(kernel_set: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(what to try, what was named) for a `kernels.set` on musubi-tuner's models. ConfigError (one line) for a
+    named kernel that is not for them."""
+    from flux_kernels.runtime.request import KERNEL_NAMES, parse_request
+
+    try:
+        request = parse_request(kernel_set, KERNEL_NAMES)
+    except ValueError as exc:
+        raise ConfigError(f"kernels.set={kernel_set}: {exc}") from None
+    other = [n for n in request.named if n not in MUSUBI_KERNELS]
+    if other:
+        raise ConfigError(
+            f"kernels.set={kernel_set}: {', '.join(other)} patch sd-scripts' FLUX.1 model and do not apply to "
+            f"musubi-tuner's FLUX.2 / Kontext; use kernels=auto, kernels=off or kernels=compile"
+        )
+    return tuple(n for n in MUSUBI_KERNELS if request.wants(n, True)), request.named
+
+
+def kernels_line(cfg: Any) -> str:
+    """The run header's line: what `kernels=` will try on this run (ConfigError for a set that cannot apply)."""
+    kernel_set = str(cfg.kernels.get("set", "auto"))
+    names, _ = wanted(kernel_set)
+    if not names:
+        return "kernels: off (plain musubi-tuner compute path)"
+    return "kernels: " + "; ".join(f"{n} ({WHAT[n]})" for n in names) + ", installed by the runner where it passes"
+
+
+def install_kernels(
+    trainer: Any, args: Any, accelerator: Any, network: Any, transformer: Any, kernels: dict[str, Any]
+) -> list[str]:
+    """Install what `kernels` asks on musubi-tuner's prepared transformer (called from on_train_start: after
+    accelerate prepared it and musubi-tuner set up checkpointing and block swap, before the first step). Returns the
+    names installed; each one skipped is one log line saying why, and training goes on without it. A kernel the user
+    named that cannot be installed is a KernelError."""
+    kernel_set = str(kernels.get("set", "auto"))
+    names, named = wanted(kernel_set)
+    if not names:
+        log.info("kernels: off (plain musubi-tuner compute path)")
+        return []
+    installed = []
+    if "compile_blocks" in names:
+        began = time.monotonic()
+        ok, why = compile_blocks(trainer, args, accelerator, network, transformer)
+        if ok:
+            log.info("kernels: installing compile_blocks: %s (checked in %.1f s)", why, time.monotonic() - began)
+            installed.append("compile_blocks")
+        else:
+            if "compile_blocks" in named:
+                from flux_kernels.runtime.errors import KernelError
+
+                raise KernelError(f"compile_blocks cannot be installed: {why}; use kernels=auto or kernels=off")
+            log.info("kernel compile_blocks skipped: %s; training goes on uncompiled", why)
+    log.info("kernels: %s", ", ".join(installed) or "none")
+    return installed
+
+
+def compile_blocks(trainer: Any, args: Any, accelerator: Any, network: Any, transformer: Any) -> tuple[bool, str]:
+    """Probe one double and one single block compiled against eager, then compile every block in place. (ok, line)."""
+    import contextlib
+
+    import torch
+
+    from flux_trainer.musubi import block_compile as bc
+
+    if getattr(args, "compile", False):
+        return False, "musubi-tuner compiles the blocks itself (compile is set in its TOML)"
+    model = accelerator.unwrap_model(transformer)
+    double, single = bc.blocks_of(model)
+    if not double or not single or not hasattr(model, "pe_embedder"):
+        return False, f"{type(model).__name__} has no double_blocks / single_blocks to compile"
+    device = next(double[0].parameters()).device
+    ok, why = bc.compiler_available(device)
+    if not ok:
+        return False, why
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(args.mixed_precision), torch.float32)
+    lora = accelerator.unwrap_model(network)
+    params = [p for p in lora.parameters() if p.requires_grad]
+    undo = lambda: None  # noqa: E731
+    if (getattr(trainer, "blocks_to_swap", 0) or 0) > 0:
+        from musubi_tuner.utils import model_utils
+
+        undo = bc.disable_swapped_linears(double + single, model_utils)
+    amp = accelerator.autocast if dtype != torch.float32 else contextlib.nullcontext
+    results = []
+    try:
+        with bc.lora_eval(lora.modules()):
+            for kind, blocks in (("double", double), ("single", single)):
+                results.append(
+                    bc.probe_block(
+                        blocks[0],
+                        lambda seed, kind=kind: bc.example_inputs(model, kind, device, dtype, seed),
+                        params,
+                        dtype,
+                        amp,
+                        kind,
+                    )
+                )
+                if not results[-1].ok:
+                    break
+    finally:
+        torch._dynamo.reset()  # the probe's static graphs go: training compiles from its own first shape
+    failed = next((r for r in results if not r.ok), None)
+    if failed is not None:
+        undo()
+        return False, failed.why
+    bc.compile_in_place(double + single)
+    notes = [r.why for r in results]
+    if (getattr(trainer, "blocks_to_swap", 0) or 0) > 0:
+        notes.append("block swap: Linear layers left out of the graphs, as musubi-tuner's own compile does")
+    if getattr(model, "gradient_checkpointing", False):
+        notes.append("checkpointed blocks: the checkpoint is traced inside each block's graph")
+    return True, f"{len(double)} double + {len(single)} single blocks; " + "; ".join(notes)
