@@ -169,7 +169,8 @@ def probe_block(
         if g is None and w is None:
             continue  # a LoRA weight of another block
         if g is None or w is None:
-            return BlockProbe(kind, False, f"{kind} block: {what} {i} exists only {'eager' if g is None else 'compiled'}")
+            only = "eager" if g is None else "compiled"
+            return BlockProbe(kind, False, f"{kind} block: {what} {i} exists only {only}")
         err = _rel_err(g, w)
         worst = max(worst, err) if err == err else float("nan")
         if not err <= tol:

@@ -6,7 +6,8 @@ script in a process of its own (flux_trainer.musubi.script: their models leave m
 goes to the same log), then trains in this process: the trainer script's own `main()` parses our TOML exactly as its
 command line would (`--config_file`, `--dataset_config`), and builds our subclass of its trainer class, which the
 module names while main runs. The subclass overrides only musubi-tuner's extension seams (hooks.py: metrics,
-progress; on_train_start also installs `kernels=`, kernel_install.py). With several processes the main process caches and the others wait for it.
+progress; on_train_start also installs `kernels=`, kernel_install.py). With several processes the main process
+caches and the others wait for it.
 """
 
 from __future__ import annotations
