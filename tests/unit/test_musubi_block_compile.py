@@ -75,10 +75,16 @@ class DiffersWhenCompiled(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("build", [tiny_flux2, tiny_kontext], ids=["flux2", "kontext"])
-def test_the_real_blocks_compiled_match_them_eager_forward_and_backward(build):
+@pytest.mark.parametrize(
+    ("build", "checkpointed"), [(tiny_flux2, True), (tiny_kontext, False)], ids=["flux2-checkpointed", "kontext"]
+)
+def test_the_real_blocks_compiled_match_them_eager_forward_and_backward(build, checkpointed):
     need()
     model = build()
+    if checkpointed:  # as musubi-tuner trains with gradient_checkpointing: train mode, the checkpoint in the graph
+        model.enable_gradient_checkpointing()
+        model.train()
+        assert all(b.gradient_checkpointing and b.training for b in model.double_blocks)
     for kind in ("double", "single"):
         got = probe(model, kind)
         assert got.ok, got.why
