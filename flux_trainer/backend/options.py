@@ -49,8 +49,9 @@ ONLY: dict[str, tuple[Any, tuple[str, ...]]] = {
 ONLY_VALUES: dict[tuple[str, Any], tuple[str, ...]] = {
     ("train.timestep_sampling", "flux2_shift"): (MUSUBI,),
 }
-# flux_kernels' kernels that musubi-tuner's models take (flux_trainer/musubi/kernel_install.py installs them)
-MUSUBI_KERNELS = ("compile_blocks",)
+# flux_kernels' kernels that musubi-tuner's training takes (flux_trainer/musubi/kernel_install.py installs them): the
+# optimizer's steps (musubi-tuner builds prodigyopt's Prodigy and torch's AdamW too) and regional compile
+MUSUBI_KERNELS = ("prodigy_step", "adamw_step", "compile_blocks")
 
 
 def musubi_kernels(kernel_set: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -1,10 +1,11 @@
 """What `kernels=` installs on musubi-tuner's FLUX.2 / Kontext training, from our trainer subclass (runner.py), never
 through the TOML (the bench runs plain musubi-tuner on our very TOMLs: a TOML key would speed up the baseline too).
 
-Of flux_kernels' registry only `compile_blocks` applies here, as its own mechanism for musubi-tuner's blocks
-(block_compile.py: verified against the eager block first). The other kernels patch sd-scripts' FLUX.1 model (its
-block ops, attention dispatch, prologue, LoRA module) and do not fit musubi-tuner's objects; they are refused by
-name before anything is made (`kernels_line`), and `auto` does without them.
+What applies here (backend.options.MUSUBI_KERNELS): `compile_blocks`, as its own mechanism for musubi-tuner's blocks
+(block_compile.py: verified against the eager block first), and the optimizer's steps `prodigy_step` / `adamw_step`
+(musubi-tuner builds the same optimizer classes sd-scripts does; flux_kernels' registry probes them). The other
+kernels patch sd-scripts' FLUX.1 model (its block ops, attention dispatch, prologue, LoRA module) or its trainer and
+do not fit musubi-tuner's objects; the config check refuses them by name, and `auto` does without them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ log = logging.getLogger("flux_trainer.musubi.runner")
 # measured on the 2-core CPU, random_flux2_klein_tiny, bf16: the probe 190 s and the first step 127 s, then 7.1 s/step
 # against 4.1 uncompiled; as on sd-scripts' side (flux_kernels' compile_applies), auto leaves the CPU alone
 ON_CPU = "kernels=compile installs it anyway (minutes of compiling on a CPU, for tests)"
-WHAT = {"compile_blocks": "regional torch.compile of the double and single blocks, checked against the eager block"}
+WHAT = {
+    "prodigy_step": "Prodigy's step in multi-tensor ops, where the optimizer is prodigyopt's Prodigy",
+    "adamw_step": "torch's AdamW step fused, where the optimizer is AdamW",
+    "compile_blocks": "regional torch.compile of the double and single blocks, checked against the eager block",
+}
+OPTIMIZER_KERNELS = ("prodigy_step", "adamw_step")
 
 
 def wanted(kernel_set: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -39,8 +45,8 @@ def kernels_line(cfg: Any) -> str:
     names, named = wanted(kernel_set)
     if not names:
         return "kernels: off (plain musubi-tuner compute path)"
-    how = "where it passes" if named else "on a CUDA GPU, where it passes"
-    return "kernels: " + "; ".join(f"{n} ({WHAT[n]})" for n in names) + f", installed by the runner {how}"
+    parts = [f"{n} ({WHAT[n]}{'' if n in named or n != 'compile_blocks' else ', on a CUDA GPU'})" for n in names]
+    return "kernels: " + "; ".join(parts) + "; each installed by the runner where its check passes"
 
 
 def install_kernels(
@@ -73,6 +79,18 @@ def install_kernels(
             log.info("kernel compile_blocks skipped: %s; training goes on uncompiled", why)
     log.info("kernels: %s", ", ".join(installed) or "none")
     return installed
+
+
+def install_optimizer_kernels(optimizer: Any, kernels: dict[str, Any]) -> list[str]:
+    """The optimizer's kernels (prodigy_step, adamw_step) on the optimizer musubi-tuner's get_optimizer built, before
+    accelerate wraps it: flux_kernels' registry probes each on this device and installs it where the optimizer is its
+    class, as on sd-scripts' side (the same function); one that does not fit is one line."""
+    names, _ = wanted(str(kernels.get("set", "auto")))
+    if not any(n in OPTIMIZER_KERNELS for n in names):
+        return []
+    from flux_trainer.sdscripts.kernel_install import install_optimizer_kernels as install
+
+    return install(optimizer, kernels)
 
 
 def compile_blocks(trainer: Any, args: Any, accelerator: Any, network: Any, transformer: Any) -> tuple[bool, str]:

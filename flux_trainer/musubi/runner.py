@@ -97,6 +97,13 @@ def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
             super().__init__()
             self.flux_train = MusubiHooks(spec.metrics, run_dir, spec.max_steps)
 
+        def get_optimizer(self, args, trainable_params):
+            built = super().get_optimizer(args, trainable_params)  # (name, args, optimizer, train_fn, eval_fn)
+            from flux_trainer.musubi.kernel_install import install_optimizer_kernels
+
+            install_optimizer_kernels(built[2], spec.kernels)
+            return built
+
         def on_train_start(self, args, accelerator, network, transformer, optimizer):
             super().on_train_start(args, accelerator, network, transformer, optimizer)
             from flux_trainer.musubi.kernel_install import install_kernels

@@ -135,12 +135,15 @@ def cfg(kernel_set: str):
 
 
 def test_what_each_kernel_set_tries_on_musubi_tuners_models():
-    assert wanted("auto") == (("compile_blocks",), ())
+    assert wanted("auto") == (("prodigy_step", "adamw_step", "compile_blocks"), ())
     assert wanted("off") == ((), ())
     assert wanted("compile_blocks") == (("compile_blocks",), ("compile_blocks",))
-    assert wanted("auto,-compile_blocks") == ((), ())
+    assert wanted("auto,-compile_blocks") == (("prodigy_step", "adamw_step"), ())
     assert kernels_line(cfg("off")) == "kernels: off (plain musubi-tuner compute path)"
-    assert kernels_line(cfg("auto")).startswith("kernels: compile_blocks (regional torch.compile")
+    line = kernels_line(cfg("auto"))
+    assert "prodigy_step (Prodigy's step" in line and "; compile_blocks (regional torch.compile" in line
+    assert "eager block, on a CUDA GPU)" in line
+    assert "on a CUDA GPU" not in kernels_line(cfg("compile_blocks"))
 
 
 @pytest.mark.parametrize("kernel_set", ["qk_norm_rope,modulate", "auto,lora_fold"])
