@@ -50,18 +50,24 @@ def kernels_line(cfg: Any) -> str:
 
 
 def install_kernels(
-    trainer: Any, args: Any, accelerator: Any, network: Any, transformer: Any, kernels: dict[str, Any]
+    trainer: Any,
+    args: Any,
+    accelerator: Any,
+    network: Any,
+    transformer: Any,
+    kernels: dict[str, Any],
+    on_optimizer: list[str] | None = None,
 ) -> list[str]:
     """Install what `kernels` asks on musubi-tuner's prepared transformer (called from on_train_start: after
     accelerate prepared it and musubi-tuner set up checkpointing and block swap, before the first step). Returns the
-    names installed; each one skipped is one log line saying why, and training goes on without it. A kernel the user
-    named that cannot be installed is a KernelError."""
+    names installed, `on_optimizer`'s first; each one skipped is one log line saying why, and training goes on
+    without it. A kernel the user named that cannot be installed is a KernelError."""
     kernel_set = str(kernels.get("set", "auto"))
     names, named = wanted(kernel_set)
     if not names:
         log.info("kernels: off (plain musubi-tuner compute path)")
         return []
-    installed = []
+    installed = list(on_optimizer or [])  # install_optimizer_kernels' (musubi-tuner builds the optimizer first)
     if "compile_blocks" in names:
         began = time.monotonic()
         if "compile_blocks" in named or accelerator.device.type == "cuda":

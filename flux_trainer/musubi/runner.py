@@ -101,7 +101,7 @@ def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
             built = super().get_optimizer(args, trainable_params)  # (name, args, optimizer, train_fn, eval_fn)
             from flux_trainer.musubi.kernel_install import install_optimizer_kernels
 
-            install_optimizer_kernels(built[2], spec.kernels)
+            self._flux_optimizer_kernels = install_optimizer_kernels(built[2], spec.kernels)
             return built
 
         def on_train_start(self, args, accelerator, network, transformer, optimizer):
@@ -109,7 +109,9 @@ def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
             from flux_trainer.musubi.kernel_install import install_kernels
 
             progress.progress(phase="kernels")
-            install_kernels(self, args, accelerator, network, transformer, spec.kernels)
+            on_optimizer = getattr(self, "_flux_optimizer_kernels", [])
+            installed = install_kernels(self, args, accelerator, network, transformer, spec.kernels, on_optimizer)
+            self.flux_train.kernels_installed = installed
             self._flux_accelerator = accelerator
             self.flux_train.train_start(args, accelerator)
 

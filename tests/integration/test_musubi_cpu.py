@@ -91,6 +91,8 @@ def test_flux2_klein_tiny_trains_two_steps_through_musubi_tuner(tmp_path):
     assert "kernels: none" in log and "installing compile_blocks" not in log
     # the optimizer (Prodigy, the default) gets flux_kernels' step, probed first, as on sd-scripts' side
     assert "flux_kernels installed prodigy_step" in log and "kernel adamw_step skipped" in log
+    (events,) = {p.parent for p in (newest_run(tmp_path) / "tb").rglob("events.out.tfevents.*")}
+    assert read_texts(events)["run/kernels"] == "prodigy_step"
     assert "caching latents" in out and "caching the text encoder's outputs" in out and "step 2/2" in out
     check_run(tmp_path, "networks.lora_flux_2", "flux_2_klein_4b")
     assert "LoRA for ComfyUI: " in out and "tiny.comfy.safetensors (diffusion_model lora_A/B keys" in out

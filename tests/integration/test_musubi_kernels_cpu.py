@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import tomllib
 
+from flux_trainer.metrics.tensorboard import read_texts
 from flux_trainer.musubi.block_compile import compiler_available
 from tests.integration.test_musubi_cpu import check_run, musubi_env, need_checkouts
 from tests.integration.tiny_run import flux_train, newest_run, tiny_dataset
@@ -45,6 +46,8 @@ def test_compile_blocks_is_checked_installed_and_trains_to_kernels_offs_losses(t
     assert "kernels: compile_blocks (regional torch.compile" in out
     assert "kernels: installing compile_blocks: 1 double + 1 single blocks; double block matches eager" in log
     assert "single block matches eager, fwd+bwd (bfloat16" in log and "kernels: compile_blocks\n" in log
+    (events,) = {p.parent for p in (newest_run(tmp_path) / "tb").rglob("events.out.tfevents.*")}
+    assert "compile_blocks" in read_texts(events)["run/kernels"]
     want = [v for _, v in plain["loss/current"]]
     got = [v for _, v in compiled["loss/current"]]
     assert got == pytest.approx(want, rel=1e-2), (got, want)  # bf16 blocks, fused differently
