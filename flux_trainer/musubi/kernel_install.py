@@ -71,7 +71,10 @@ def install_kernels(
     if "compile_blocks" in names:
         began = time.monotonic()
         if "compile_blocks" in named or accelerator.device.type == "cuda":
-            ok, why = compile_blocks(trainer, args, accelerator, network, transformer)
+            try:
+                ok, why = compile_blocks(trainer, args, accelerator, network, transformer)
+            except Exception as exc:  # noqa: BLE001 - an install that breaks is a skipped kernel, not a failed run
+                ok, why = False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc) else ''}"
         else:
             ok, why = False, f"auto compiles on a CUDA GPU only (device is {accelerator.device.type}); {ON_CPU}"
         if ok:
@@ -147,6 +150,9 @@ def compile_blocks(trainer: Any, args: Any, accelerator: Any, network: Any, tran
                 )
                 if not results[-1].ok:
                     break
+    except BaseException:
+        undo()
+        raise
     finally:
         torch._dynamo.reset()  # the probe's static graphs go: training compiles from its own first shape
     failed = next((r for r in results if not r.ok), None)

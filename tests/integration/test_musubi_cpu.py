@@ -88,7 +88,7 @@ def test_flux2_klein_tiny_trains_two_steps_through_musubi_tuner(tmp_path):
     assert "block, on a CUDA GPU)" in out
     log = (newest_run(tmp_path) / "train.log").read_text()  # auto on the CPU: skipped with its reason, one line
     assert "kernel compile_blocks skipped: auto compiles on a CUDA GPU only (device is cpu)" in log
-    assert "kernels: none" in log and "installing compile_blocks" not in log
+    assert "kernels: prodigy_step\n" in log and "installing compile_blocks" not in log
     # the optimizer (Prodigy, the default) gets flux_kernels' step, probed first, as on sd-scripts' side
     assert "flux_kernels installed prodigy_step" in log and "kernel adamw_step skipped" in log
     (events,) = {p.parent for p in (newest_run(tmp_path) / "tb").rglob("events.out.tfevents.*")}

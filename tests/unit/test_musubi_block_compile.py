@@ -152,3 +152,63 @@ def test_a_flux1_kernel_named_for_a_musubi_model_is_one_line(kernel_set):
         kernels_line(cfg(kernel_set))
     msg = str(exc.value)
     assert "do not apply to musubi-tuner's FLUX.2 / Kontext" in msg and "kernels=auto" in msg and "\n" not in msg
+
+
+class FakeAccelerator:
+    """What install_kernels reads of accelerate's Accelerator: the device, unwrap_model, autocast."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def unwrap_model(self, model):
+        return model
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+def install(model: nn.Module, kernel_set: str) -> list[str]:
+    from types import SimpleNamespace
+
+    from flux_trainer.musubi.kernel_install import install_kernels
+
+    args = SimpleNamespace(compile=False, mixed_precision="no")
+    trainer = SimpleNamespace(blocks_to_swap=0)
+    lora = nn.Linear(2, 2)  # stands in for the LoRA network: its parameters are no block's
+    return install_kernels(trainer, args, FakeAccelerator(), lora, model, {"set": kernel_set})
+
+
+def compiled(model: nn.Module) -> list[bool]:
+    double, single = bc.blocks_of(model)
+    return [getattr(b, "_compiled_call_impl", None) is not None for b in double + single]
+
+
+def test_off_installs_nothing_and_says_so(caplog):
+    need()
+    model = tiny_flux2()
+    with caplog.at_level("INFO"):
+        assert install(model, "off") == []
+    assert "kernels: off (plain musubi-tuner compute path)" in caplog.text and compiled(model) == [False, False]
+
+
+def test_auto_on_the_cpu_skips_the_compile_with_one_line(caplog):
+    need()
+    model = tiny_flux2()
+    with caplog.at_level("INFO"):
+        assert install(model, "auto") == []
+    assert "kernel compile_blocks skipped: auto compiles on a CUDA GPU only (device is cpu)" in caplog.text
+    assert compiled(model) == [False, False]
+
+
+def test_a_named_compile_whose_probe_fails_stops_the_run_and_compiles_nothing():
+    need()
+    from flux_kernels.runtime.errors import KernelError
+
+    model = tiny_flux2()
+    model.double_blocks[0] = DiffersWhenCompiled(model.double_blocks[0])
+    state = torch.random.get_rng_state()
+    with pytest.raises(KernelError) as exc:
+        install(model, "compile_blocks")
+    assert "compile_blocks cannot be installed: double block: float32 output 0 differs" in str(exc.value)
+    assert compiled(model) == [False, False]
+    assert torch.equal(torch.random.get_rng_state(), state)  # the probe's draws were put back
