@@ -174,7 +174,8 @@ def install(model: nn.Module, kernel_set: str) -> list[str]:
 
     args = SimpleNamespace(compile=False, mixed_precision="no")
     trainer = SimpleNamespace(blocks_to_swap=0)
-    lora = nn.Linear(2, 2)  # stands in for the LoRA network: its parameters are no block's
+    lora = nn.Module()  # stands in for the LoRA network: its parameter is no block's (and draws no random number)
+    lora.weight = nn.Parameter(torch.zeros(2))
     return install_kernels(trainer, args, FakeAccelerator(), lora, model, {"set": kernel_set})
 
 
