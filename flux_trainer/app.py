@@ -202,7 +202,7 @@ def _prepare_musubi(cfg: DictConfig, plan, run_dir: Path, exclusive: bool) -> Pr
     from flux_trainer.musubi import run as musubi_run
 
     info = plan.device
-    say(musubi_run.KERNELS_LINE)
+    say(musubi_run.kernels_line(cfg))
     checkout, lines = musubi_run.locate(cfg, bool(cfg.dry_run))
     for line in lines:
         say(line)

@@ -2,10 +2,10 @@
 
 Both trainers read the same RunConfig, but not every key means something to both: sd-scripts has no reference images
 or FLUX.2 timestep shift; flux-train's musubi-tuner backend does not (yet) translate sd-scripts' loss variants,
-validation split, LyCORIS or the in-process kernels. A key set to anything but its default on a backend that does
-not honour it is one line naming the key, its value, the model, and what to do. Presets set several of these keys
-(the memory tiers set checkpoint_skip, cuda_graphs, t5xxl_fp8): those are read by both backends (or are harmless
-when not), so they are not listed here.
+validation split, LyCORIS or flux_kernels' FLUX.1 kernels (regional compile it does: musubi/kernel_install.py). A key
+set to anything but its default on a backend that does not honour it is one line naming the key, its value, the
+model, and what to do. Presets set several of these keys (the memory tiers set checkpoint_skip, cuda_graphs,
+t5xxl_fp8): those are read by both backends (or are harmless when not), so they are not listed here.
 """
 
 from __future__ import annotations
@@ -49,7 +49,33 @@ ONLY: dict[str, tuple[Any, tuple[str, ...]]] = {
 ONLY_VALUES: dict[tuple[str, Any], tuple[str, ...]] = {
     ("train.timestep_sampling", "flux2_shift"): (MUSUBI,),
 }
-KERNEL_SETS_WITHOUT_KERNELS = ("auto", "off")  # what a backend without flux_kernels hooks accepts
+# flux_kernels' kernels that musubi-tuner's training takes (flux_trainer/musubi/kernel_install.py installs them): the
+# optimizer's steps (musubi-tuner builds prodigyopt's Prodigy and torch's AdamW too) and regional compile
+MUSUBI_KERNELS = ("prodigy_step", "adamw_step", "compile_blocks")
+
+
+def musubi_kernels(kernel_set: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(what to try, what was named) of a `kernels.set` on musubi-tuner's models. ValueError (one line) for an
+    unknown name or a kernel that patches sd-scripts' FLUX.1 model."""
+    from flux_kernels.runtime.request import KERNEL_NAMES, parse_request
+
+    request = parse_request(kernel_set, KERNEL_NAMES)
+    other = [n for n in request.named if n not in MUSUBI_KERNELS]
+    if other:
+        raise ValueError(
+            f"{', '.join(other)} patch sd-scripts' FLUX.1 model and do not apply to musubi-tuner's FLUX.2 / Kontext; "
+            "use kernels=auto, kernels=off or kernels=compile"
+        )
+    return tuple(n for n in MUSUBI_KERNELS if request.wants(n, True)), request.named
+
+
+def musubi_kernel_problem(kernel_set: str) -> str | None:
+    """The config check's line for a `kernels.set` musubi-tuner's models cannot take, or None."""
+    try:
+        musubi_kernels(kernel_set)
+    except ValueError as exc:
+        return f"kernels.set={kernel_set}: {exc}"
+    return None
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -100,12 +126,9 @@ def refusals(cfg: Any, backend: str, model: str) -> list[str]:
                         f"dataset.subsets[{i}].{key}={subset.get(key)}: model={model} trains on {trainer}, which "
                         "has no masked loss; remove it or choose a FLUX.1 or Chroma model"
                     )
-        kernels = str(_get(cfg, "kernels.set") or "auto")
-        if kernels not in KERNEL_SETS_WITHOUT_KERNELS:
-            problems.append(
-                f"kernels.set={kernels}: no flux-train kernels are installed for {trainer} models yet; use "
-                "kernels=auto or kernels=off"
-            )
+        problem = musubi_kernel_problem(str(_get(cfg, "kernels.set") or "auto"))
+        if problem:
+            problems.append(problem)
         module = str(_get(cfg, "network.module") or "")
         if module and module != "networks.lora_flux":
             problems.append(

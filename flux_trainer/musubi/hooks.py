@@ -30,6 +30,7 @@ class MusubiHooks:
         self._step = 0  # optimizer steps done
         self._logged = 0  # the last step whose tags went to musubi-tuner's logs
         self._texts_written = False
+        self.kernels_installed: list[str] | None = None  # what kernel_install.py installed (None: not yet asked)
 
     @property
     def enabled(self) -> bool:
@@ -86,7 +87,8 @@ class MusubiHooks:
                           peak_gib=tags.get("vram/peak_gib"))  # fmt: skip
 
     def _write_texts(self, accelerator: Any) -> None:
-        """The run dir's config, command and environment as TensorBoard texts beside the scalars."""
+        """The run dir's config, command and environment, and the kernels installed, as TensorBoard texts beside the
+        scalars."""
         self._texts_written = True
         try:
             writer = accelerator.get_tracker("tensorboard", unwrap=True)
@@ -99,6 +101,8 @@ class MusubiHooks:
             path = self.run_dir / file
             if path.is_file():
                 texts[name] = path.read_text(encoding="utf-8")
+        if self.kernels_installed is not None:
+            texts["kernels"] = ", ".join(self.kernels_installed) or "none (plain musubi-tuner compute path)"
         if texts and getattr(writer, "log_dir", None):
             write_run_text(writer.log_dir, texts)
 

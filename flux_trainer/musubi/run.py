@@ -28,7 +28,6 @@ from flux_trainer.musubi.translate import argv_of, translate
 
 RUNNER_MODULE = "flux_trainer.musubi.runner"
 TRAIN_TOML = "musubi_tuner.toml"
-KERNELS_LINE = "kernels: none installed for musubi-tuner models yet"
 
 
 @dataclass
@@ -39,6 +38,13 @@ class MusubiFiles:
     dataset_toml: Path
     spec: RunnerSpec
     said: list[str]
+
+
+def kernels_line(cfg: DictConfig) -> str:
+    """The header's kernels line (ConfigError for a kernel set that does not apply to musubi-tuner's models)."""
+    from flux_trainer.musubi.kernel_install import kernels_line as line
+
+    return line(cfg)
 
 
 def locate(cfg: DictConfig, dry_run: bool) -> tuple[Any, list[str]]:
@@ -119,6 +125,7 @@ def write_files(cfg: DictConfig, run_dir: Path, folders: list[MusubiFolders], ch
         metrics={"enabled": bool(cfg.logging.tensorboard), "images_per_step": int(cfg.train.batch_size)},
         lora=str(run_dir / f"{cfg.train.output_name}.safetensors"),
         comfy_copy=bool(cfg.train.comfy_copy),
+        kernels={"set": str(cfg.kernels.get("set", "auto"))},
     )
     spec.write(run_dir)
     random = f"--random-model {spec.random_dit} " if spec.random_dit else ""

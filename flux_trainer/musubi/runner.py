@@ -6,7 +6,8 @@ script in a process of its own (flux_trainer.musubi.script: their models leave m
 goes to the same log), then trains in this process: the trainer script's own `main()` parses our TOML exactly as its
 command line would (`--config_file`, `--dataset_config`), and builds our subclass of its trainer class, which the
 module names while main runs. The subclass overrides only musubi-tuner's extension seams (hooks.py: metrics,
-progress). With several processes the main process caches and the others wait for it.
+progress; on_train_start also installs `kernels=`, kernel_install.py). With several processes the main process
+caches and the others wait for it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class RunnerSpec(JsonSpec):
     backend: str = "musubi"
     lora: str | None = None  # the trained LoRA file (output_dir / output_name.safetensors)
     comfy_copy: bool = False  # write its ComfyUI copy beside it after training (lora_format.py)
+    kernels: dict[str, Any] = field(default_factory=lambda: {"set": "off"})  # cfg.kernels (kernel_install.py)
 
 
 class StepFailed(RuntimeError):
@@ -95,8 +97,21 @@ def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
             super().__init__()
             self.flux_train = MusubiHooks(spec.metrics, run_dir, spec.max_steps)
 
+        def get_optimizer(self, args, trainable_params):
+            built = super().get_optimizer(args, trainable_params)  # (name, args, optimizer, train_fn, eval_fn)
+            from flux_trainer.musubi.kernel_install import install_optimizer_kernels
+
+            self._flux_optimizer_kernels = install_optimizer_kernels(built[2], spec.kernels)
+            return built
+
         def on_train_start(self, args, accelerator, network, transformer, optimizer):
             super().on_train_start(args, accelerator, network, transformer, optimizer)
+            from flux_trainer.musubi.kernel_install import install_kernels
+
+            progress.progress(phase="kernels")
+            on_optimizer = getattr(self, "_flux_optimizer_kernels", [])
+            installed = install_kernels(self, args, accelerator, network, transformer, spec.kernels, on_optimizer)
+            self.flux_train.kernels_installed = installed
             self._flux_accelerator = accelerator
             self.flux_train.train_start(args, accelerator)
 
@@ -176,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="flux_trainer.musubi.runner", description=__doc__)
     ap.add_argument("--run-dir", required=True, type=Path)
     ns = ap.parse_args(argv)
+    from flux_kernels.runtime.errors import KernelError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = RunnerSpec.read(ns.run_dir)
     code, reason = 1, "crashed"
@@ -186,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         code, reason = 0, "finished"
     except StepFailed as exc:
         code, reason = 1, str(exc)
+        log.error("%s", reason)
+    except KernelError as exc:
+        code, reason = 2, f"kernels: {exc}"  # a kernel the user named cannot run here
         log.error("%s", reason)
     except KeyboardInterrupt:
         code, reason = 130, "interrupted (SIGINT); musubi-tuner keeps no partial state flux-train resumes yet"

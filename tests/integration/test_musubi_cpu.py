@@ -84,7 +84,15 @@ def test_flux2_klein_tiny_trains_two_steps_through_musubi_tuner(tmp_path):
                      env=musubi_env(tmp_path))  # fmt: skip
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     out = got.stdout
-    assert "kernels: none installed for musubi-tuner models yet" in out
+    assert "compile_blocks (regional torch.compile of the double and single blocks, checked against the eager " in out
+    assert "block, on a CUDA GPU)" in out
+    log = (newest_run(tmp_path) / "train.log").read_text()  # auto on the CPU: skipped with its reason, one line
+    assert "kernel compile_blocks skipped: auto compiles on a CUDA GPU only (device is cpu)" in log
+    assert "kernels: prodigy_step\n" in log and "installing compile_blocks" not in log
+    # the optimizer (Prodigy, the default) gets flux_kernels' step, probed first, as on sd-scripts' side
+    assert "flux_kernels installed prodigy_step" in log and "kernel adamw_step skipped" in log
+    (events,) = {p.parent for p in (newest_run(tmp_path) / "tb").rglob("events.out.tfevents.*")}
+    assert read_texts(events)["run/kernels"] == "prodigy_step"
     assert "caching latents" in out and "caching the text encoder's outputs" in out and "step 2/2" in out
     check_run(tmp_path, "networks.lora_flux_2", "flux_2_klein_4b")
     assert "LoRA for ComfyUI: " in out and "tiny.comfy.safetensors (diffusion_model lora_A/B keys" in out

@@ -65,7 +65,7 @@ def test_the_flux2_default_is_the_base_4b():
         ("random_flux2_klein_tiny", "network.train_blocks=single", "network.train_blocks=single: model="),
         ("random_flux2_klein_tiny", "train.loss_type=huber", "train.loss_type=huber"),
         ("random_flux2_klein_tiny", "dataset.validation_split=0.1", "dataset.validation_split=0.1"),
-        ("random_flux2_klein_tiny", "kernels=compile", "no flux-train kernels are installed for musubi-tuner"),
+        ("random_flux2_klein_tiny", "kernels=fused", "do not apply to musubi-tuner's FLUX.2 / Kontext"),
         ("random_flux2_klein_tiny", "network=lokr", "network.algo=lokr"),
         ("random_tiny", "train.timestep_sampling=flux2_shift", "which has no flux2_shift"),
         ("random_tiny", "+model.model_version=klein-4b", "model.model_version=klein-4b"),
