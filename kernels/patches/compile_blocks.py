@@ -113,9 +113,9 @@ def restore_autograd_functions() -> bool:
 def install(model: nn.Module, **opts) -> str:
     """`block.compile(**opts)` per block (compiles at first call, one graph per block kind and shape; numerically
     the same program, fused by inductor)."""
-    from flux_kernels.patches.blocks import find_blocks
+    from flux_kernels.patches.blocks import patched_blocks
 
-    double, single = find_blocks(model)
+    double, single = patched_blocks(model)  # FLUX.1's, or Chroma's with our forward (no host sync inside)
     for b in double + single:
         b.compile(**opts)
         _hold_run_backend(b)
@@ -188,7 +188,7 @@ def remove(model: nn.Module) -> list[str]:
     """Undo `install`: the blocks run uncompiled, the hooks go, torch's settings are put back."""
     from flux_kernels.memory import selective_checkpoint as sac
     from flux_kernels.patches import graph_record
-    from flux_kernels.patches.blocks import block_kind
+    from flux_kernels.patches.blocks import block_kind, chroma_kind
 
     sac.unroute(model)
     undone = ["compile_rng"] if restore() else []
@@ -197,7 +197,7 @@ def remove(model: nn.Module) -> list[str]:
     for handle in model.__dict__.pop(GRAD_HOOKS, []):
         handle.remove()
     for b in model.modules():
-        if getattr(b, "_compiled_call_impl", None) is not None and block_kind(b):
+        if getattr(b, "_compiled_call_impl", None) is not None and (block_kind(b) or chroma_kind(b)):
             b._compiled_call_impl = None
             undone.append("compile")
     return undone
