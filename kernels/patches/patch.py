@@ -244,8 +244,25 @@ def attention_shape(model: nn.Module, args: tuple, kwargs: dict):
         return None
     kind = img.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else img.dtype
-    shape = (img.shape[0], int(heads), img.shape[1] + txt.shape[1], int(hidden) // int(heads))
-    return shape, dtype, img.device, bound.get("txt_attention_mask") is not None
+    n_txt, with_mask = txt.shape[1], bound.get("txt_attention_mask") is not None
+    chroma = _chroma_text(model, bound, txt)
+    if chroma is not None:
+        n_txt, with_mask = chroma
+    shape = (img.shape[0], int(heads), img.shape[1] + n_txt, int(hidden) // int(heads))
+    return shape, dtype, img.device, with_mask
+
+
+def _chroma_text(model: nn.Module, bound: Mapping[str, Any], txt: Tensor) -> tuple[int, bool] | None:
+    """Chroma's forward (it takes `attn_padding`) trims the text to the longest caption plus `attn_padding`, and
+    chroma_blocks masks the padding only where there are several samples: (text tokens, whether a mask is passed).
+    One read of the mask back to the host, once, at the first training call (Chroma's forward reads it anyway)."""
+    params = inspect.signature(model.forward).parameters
+    mask = bound.get("txt_attention_mask")
+    if "attn_padding" not in params or not isinstance(mask, Tensor):
+        return None
+    pad = bound.get("attn_padding", params["attn_padding"].default)
+    longest = int(mask[:, : txt.shape[1]].sum(dim=-1).max()) + int(pad)
+    return max(0, min(txt.shape[1], longest)), txt.shape[0] > 1
 
 
 def _decide_attention(dispatch, model: nn.Module, args: tuple, kwargs: dict) -> None:

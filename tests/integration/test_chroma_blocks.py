@@ -202,3 +202,20 @@ def test_a_compiled_chroma_block_is_one_graph_and_matches(chroma):
         got, dgot = _run(compiled, args, leaves, [])
         for g, w in zip(got + list(dgot), want + list(dwant), strict=True):
             assert _err(g, w) <= 1e-4, kind
+
+
+def test_attention_is_probed_at_the_shape_chromas_blocks_run(chroma):
+    """The attention probe's shape for Chroma: image + the text as its forward trims it (longest caption + its
+    attn_padding), and a mask only with several samples (one sample has no padding: no mask is passed)."""
+    from flux_kernels.patches.patch import attention_shape
+
+    model = _model(chroma)
+    img, txt, ids = torch.zeros(2, 16, 64), torch.zeros(2, 8, 64), torch.zeros(2, 16, 3)
+    mask = torch.tensor([[1] * 3 + [0] * 5, [1] * 5 + [0] * 3])
+    kwargs = dict(img=img, img_ids=ids, txt=txt, txt_ids=torch.zeros(2, 8, 3), timesteps=torch.zeros(2), y=None,
+                  txt_attention_mask=mask)  # fmt: skip
+    heads, head_dim = model.num_heads, model.hidden_size // model.num_heads
+    assert attention_shape(model, (), kwargs)[0] == (2, heads, 16 + 6, head_dim)
+    assert attention_shape(model, (), kwargs)[3] is True
+    one = {**kwargs, "img": img[:1], "txt": txt[:1], "txt_attention_mask": mask[:1]}
+    assert attention_shape(model, (), one)[0] == (1, heads, 16 + 4, head_dim) and attention_shape(model, (), one)[3] is False
