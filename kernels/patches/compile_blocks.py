@@ -172,16 +172,33 @@ def _hold_run_backend(block: nn.Module) -> None:
     """Call the compiled block inside the run's SDPA backend switch (flux_kernels.patches.attention: the backend the
     probe chose at the run's shape), looked up at each call, so traced code gets the backend without a switch of its
     own."""
-    from flux_kernels.patches.blocks import ATTR
+    from flux_kernels.patches.blocks import ATTR, chroma_kind
 
     compiled = block._compiled_call_impl
+    chroma_double = chroma_kind(block) == "double"
 
     def call(*args, **kwargs):
         dispatch = getattr(getattr(block, ATTR, None), "attention", None)
+        if chroma_double and isinstance(kwargs.get("txt"), Tensor):
+            kwargs["txt"] = _laid_out_plainly(kwargs["txt"])
         with dispatch.compiled_context() if dispatch is not None else contextlib.nullcontext():
             return compiled(*args, **kwargs)
 
     block._compiled_call_impl = call
+
+
+def _laid_out_plainly(t: Tensor) -> Tensor:
+    """`t` with a row-major tensor's strides: Chroma's first double block gets the text as a slice of txt_in's output
+    (the text trimmed to the longest caption), whose batch stride is the untrimmed length's even with one sample,
+    every later block a plain tensor; torch.compile guards on strides, so the first block would compile a graph of
+    its own (two, once the text length turns dynamic). One copy of the text before the first block instead."""
+    want, step = [], 1
+    for size in reversed(t.shape):
+        want.append(step)
+        step *= size
+    if tuple(reversed(want)) == t.stride():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def remove(model: nn.Module) -> list[str]:
