@@ -218,4 +218,5 @@ def test_attention_is_probed_at_the_shape_chromas_blocks_run(chroma):
     assert attention_shape(model, (), kwargs)[0] == (2, heads, 16 + 6, head_dim)
     assert attention_shape(model, (), kwargs)[3] is True
     one = {**kwargs, "img": img[:1], "txt": txt[:1], "txt_attention_mask": mask[:1]}
-    assert attention_shape(model, (), one)[0] == (1, heads, 16 + 4, head_dim) and attention_shape(model, (), one)[3] is False
+    shape, _, _, with_mask = attention_shape(model, (), one)
+    assert shape == (1, heads, 16 + 4, head_dim) and with_mask is False
