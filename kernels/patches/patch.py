@@ -399,16 +399,19 @@ def apply_kernels(
         """auto's condition for `spec`, on the model as the kernels installed before it left it (fp8_matmul takes
         the layers lora_fold would fold)."""
         auto_if = getattr(spec, "auto_if", None)
+        if spec.name in IN_BLOCKS and not any(find_blocks(flux_model)):
+            why = None
+            if not any(patched_blocks(flux_model)):  # Chroma's without chroma_blocks, or no blocks at all
+                why = "no FLUX.1 double/single blocks (Chroma's have another shape)"
+            elif spec.name not in CHROMA_TAKES:  # Chroma's blocks with our forward, which does not read this one
+                why = f"not made for Chroma's blocks (these work in them: {', '.join(CHROMA_TAKES)})"
+            if why is not None:
+                if insists(spec.name):
+                    raise KernelError(f"{spec.name}: {why}; remove it from kernels=")
+                log.info("kernel %s skipped: %s", spec.name, why)
+                return False
         if insists(spec.name):
             return True
-        if spec.name in IN_BLOCKS and not any(find_blocks(flux_model)):
-            if not any(patched_blocks(flux_model)):  # Chroma's without chroma_blocks, or no blocks at all
-                log.info("kernel %s skipped: no FLUX.1 double/single blocks (Chroma's have another shape)", spec.name)
-                return False
-            if spec.name not in CHROMA_TAKES:
-                log.info("kernel %s skipped: not made for Chroma's blocks (%s work in them)", spec.name,
-                         ", ".join(CHROMA_TAKES))  # fmt: skip
-                return False
         if auto_if is None:
             return True
         ok, why = auto_if(flux_model)

@@ -220,3 +220,16 @@ def test_attention_is_probed_at_the_shape_chromas_blocks_run(chroma):
     one = {**kwargs, "img": img[:1], "txt": txt[:1], "txt_attention_mask": mask[:1]}
     shape, _, _, with_mask = attention_shape(model, (), one)
     assert shape == (1, heads, 16 + 4, head_dim) and with_mask is False
+
+
+def test_a_named_kernel_that_chromas_blocks_do_not_take_is_an_error(chroma):
+    from flux_kernels.patches import patch
+    from flux_kernels.runtime.errors import KernelError
+    from flux_kernels.runtime.registry import unchecked
+
+    model = _model(chroma, seed=2)
+    with pytest.raises(KernelError, match="double_qkv: not made for Chroma's blocks"):
+        patch.apply_kernels(model, unchecked(["chroma_blocks", "double_qkv"]))
+    patch.remove_kernels(model)
+    with pytest.raises(KernelError, match="compile_blocks: no FLUX.1 double/single blocks"):
+        patch.apply_kernels(model, unchecked(["compile_blocks"]))
