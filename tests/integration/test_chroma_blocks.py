@@ -233,3 +233,34 @@ def test_a_named_kernel_that_chromas_blocks_do_not_take_is_an_error(chroma):
     patch.remove_kernels(model)
     with pytest.raises(KernelError, match="compile_blocks: no FLUX.1 double/single blocks"):
         patch.apply_kernels(model, unchecked(["compile_blocks"]))
+
+
+def test_compiled_chroma_blocks_make_one_graph_per_kind_and_length_kind(chroma):
+    """compile_blocks on Chroma (dynamo only, `backend="eager"`): the first double block's text (a slice of txt_in's
+    output) is laid out as the later blocks' is, so two double and two single blocks make one graph per block kind at
+    the first text length and one more, the length dynamic, at the next ones: 4 graphs, none per block."""
+    from torch._dynamo.utils import counters
+
+    from flux_kernels.patches import chroma as ck
+    from flux_kernels.patches import compile_blocks, patch
+
+    torch.manual_seed(0)
+    shapes = {**PRESETS["chroma_tiny"]["flux"], "depth": 2, "depth_single_blocks": 2}
+    model = chroma.Chroma(dataclasses.replace(chroma.chroma_params, **shapes)).train()
+    ck.install(model)
+    compile_blocks.install(model, backend="eager")
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(0)
+    for n in (5, 7, 9):
+        img, txt = torch.randn(1, 16, 64, generator=gen), torch.randn(1, 12, 64, generator=gen)
+        mask = torch.tensor([[1] * n + [0] * (12 - n)])
+        t, g = torch.rand(1, generator=gen), torch.zeros(1)
+        with torch.no_grad():
+            mods = model.get_mod_vectors(timesteps=t, guidance=g, batch_size=1)
+        out = model(img, torch.zeros(1, 16, 3), txt, torch.zeros(1, 12, 3), t, None, guidance=g,
+                    txt_attention_mask=mask, mod_vectors=mods)  # fmt: skip
+        out.sum().backward()
+    assert counters["stats"]["unique_graphs"] - before == 4
+    patch.remove_kernels(model)
+    torch._dynamo.reset()
