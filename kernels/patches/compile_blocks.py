@@ -113,9 +113,9 @@ def restore_autograd_functions() -> bool:
 def install(model: nn.Module, **opts) -> str:
     """`block.compile(**opts)` per block (compiles at first call, one graph per block kind and shape; numerically
     the same program, fused by inductor)."""
-    from flux_kernels.patches.blocks import find_blocks
+    from flux_kernels.patches.blocks import patched_blocks
 
-    double, single = find_blocks(model)
+    double, single = patched_blocks(model)  # FLUX.1's, or Chroma's with our forward (no host sync inside)
     for b in double + single:
         b.compile(**opts)
         _hold_run_backend(b)
@@ -172,23 +172,40 @@ def _hold_run_backend(block: nn.Module) -> None:
     """Call the compiled block inside the run's SDPA backend switch (flux_kernels.patches.attention: the backend the
     probe chose at the run's shape), looked up at each call, so traced code gets the backend without a switch of its
     own."""
-    from flux_kernels.patches.blocks import ATTR
+    from flux_kernels.patches.blocks import ATTR, chroma_kind
 
     compiled = block._compiled_call_impl
+    chroma_double = chroma_kind(block) == "double"
 
     def call(*args, **kwargs):
         dispatch = getattr(getattr(block, ATTR, None), "attention", None)
+        if chroma_double and isinstance(kwargs.get("txt"), Tensor):
+            kwargs["txt"] = _laid_out_plainly(kwargs["txt"])
         with dispatch.compiled_context() if dispatch is not None else contextlib.nullcontext():
             return compiled(*args, **kwargs)
 
     block._compiled_call_impl = call
 
 
+def _laid_out_plainly(t: Tensor) -> Tensor:
+    """`t` with a row-major tensor's strides: Chroma's first double block gets the text as a slice of txt_in's output
+    (the text trimmed to the longest caption), whose batch stride is the untrimmed length's even with one sample,
+    every later block a plain tensor; torch.compile guards on strides, so the first block would compile a graph of
+    its own (two, once the text length turns dynamic). One copy of the text before the first block instead."""
+    want, step = [], 1
+    for size in reversed(t.shape):
+        want.append(step)
+        step *= size
+    if tuple(reversed(want)) == t.stride():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def remove(model: nn.Module) -> list[str]:
     """Undo `install`: the blocks run uncompiled, the hooks go, torch's settings are put back."""
     from flux_kernels.memory import selective_checkpoint as sac
     from flux_kernels.patches import graph_record
-    from flux_kernels.patches.blocks import block_kind
+    from flux_kernels.patches.blocks import block_kind, chroma_kind
 
     sac.unroute(model)
     undone = ["compile_rng"] if restore() else []
@@ -197,7 +214,7 @@ def remove(model: nn.Module) -> list[str]:
     for handle in model.__dict__.pop(GRAD_HOOKS, []):
         handle.remove()
     for b in model.modules():
-        if getattr(b, "_compiled_call_impl", None) is not None and block_kind(b):
+        if getattr(b, "_compiled_call_impl", None) is not None and (block_kind(b) or chroma_kind(b)):
             b._compiled_call_impl = None
             undone.append("compile")
     return undone

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from flux_kernels.ops import fast, reference
 from flux_kernels.patches import lora_fold
 from flux_kernels.patches.attention.backends import heads_to_tokens
-from flux_kernels.patches.blocks import ATTR, BLOCK_OPS, IN_BLOCKS, find_blocks
+from flux_kernels.patches.blocks import ATTR, BLOCK_OPS, CHROMA, CHROMA_TAKES, IN_BLOCKS, find_blocks, patched_blocks
 from flux_kernels.patches.single_qkv import double_qkv, single_qkv
 from flux_kernels.patches.verify import verify_blocks
 from flux_kernels.runtime.errors import KernelError
@@ -189,9 +189,13 @@ def _gelu_tanh(m: nn.Module) -> bool:
 
 
 def _ops_of(model: nn.Module) -> BlockOps:
-    """The model's BlockOps, patching every block's `_forward` on first use."""
+    """The model's BlockOps, patching every block's `_forward` on first use (Chroma's blocks: those that
+    flux_kernels.patches.chroma gave our forward, which reads the same switches)."""
     double, single = find_blocks(model)
     if not double and not single:
+        chroma = [b for b in sum(patched_blocks(model), []) if hasattr(b, ATTR)]
+        if chroma:
+            return getattr(chroma[0], ATTR)
         raise ValueError(f"{type(model).__name__} has no FLUX double/single-stream blocks to patch")
     shared = next((getattr(b, ATTR) for b in double + single if hasattr(b, ATTR)), None) or BlockOps()
     for blocks, fwd in ((double, _double_forward), (single, _single_forward)):
@@ -222,7 +226,7 @@ def install_block_op(model: nn.Module, op: str, **opts) -> str:
         )
     else:
         setattr(ops, op, True)
-    double, single = find_blocks(model)
+    double, single = patched_blocks(model)
     return f"{op}: {len(double)} double + {len(single)} single blocks"
 
 
@@ -240,8 +244,25 @@ def attention_shape(model: nn.Module, args: tuple, kwargs: dict):
         return None
     kind = img.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else img.dtype
-    shape = (img.shape[0], int(heads), img.shape[1] + txt.shape[1], int(hidden) // int(heads))
-    return shape, dtype, img.device, bound.get("txt_attention_mask") is not None
+    n_txt, with_mask = txt.shape[1], bound.get("txt_attention_mask") is not None
+    chroma = _chroma_text(model, bound, txt)
+    if chroma is not None:
+        n_txt, with_mask = chroma
+    shape = (img.shape[0], int(heads), img.shape[1] + n_txt, int(hidden) // int(heads))
+    return shape, dtype, img.device, with_mask
+
+
+def _chroma_text(model: nn.Module, bound: Mapping[str, Any], txt: Tensor) -> tuple[int, bool] | None:
+    """Chroma's forward (it takes `attn_padding`) trims the text to the longest caption plus `attn_padding`, and
+    chroma_blocks masks the padding only where there are several samples: (text tokens, whether a mask is passed).
+    One read of the mask back to the host, once, at the first training call (Chroma's forward reads it anyway)."""
+    params = inspect.signature(model.forward).parameters
+    mask = bound.get("txt_attention_mask")
+    if "attn_padding" not in params or not isinstance(mask, Tensor):
+        return None
+    pad = bound.get("attn_padding", params["attn_padding"].default)
+    longest = int(mask[:, : txt.shape[1]].sum(dim=-1).max()) + int(pad)
+    return max(0, min(txt.shape[1], longest)), txt.shape[0] > 1
 
 
 def _decide_attention(dispatch, model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -276,7 +297,7 @@ def install_fp8(model: nn.Module, quantize: bool = False, device=None, keep_tran
     blocks (sd-scripts moves the rest of the model to the GPU next; with block swap some blocks stay on the host)."""
     from flux_kernels.patches import fp8
 
-    double, single = find_blocks(model)
+    double, single = patched_blocks(model)
     if not double and not single:
         raise ValueError(f"{type(model).__name__} has no FLUX double/single-stream blocks to patch")
     blocks = double + single
@@ -378,11 +399,19 @@ def apply_kernels(
         """auto's condition for `spec`, on the model as the kernels installed before it left it (fp8_matmul takes
         the layers lora_fold would fold)."""
         auto_if = getattr(spec, "auto_if", None)
+        if spec.name in IN_BLOCKS and not any(find_blocks(flux_model)):
+            why = None
+            if not any(patched_blocks(flux_model)):  # Chroma's without chroma_blocks, or no blocks at all
+                why = "no FLUX.1 double/single blocks (Chroma's have another shape)"
+            elif spec.name not in CHROMA_TAKES:  # Chroma's blocks with our forward, which does not read this one
+                why = f"not made for Chroma's blocks (these work in them: {', '.join(CHROMA_TAKES)})"
+            if why is not None:
+                if insists(spec.name):
+                    raise KernelError(f"{spec.name}: {why}; remove it from kernels=")
+                log.info("kernel %s skipped: %s", spec.name, why)
+                return False
         if insists(spec.name):
             return True
-        if spec.name in IN_BLOCKS and not any(find_blocks(flux_model)):
-            log.info("kernel %s skipped: no FLUX.1 double/single blocks (Chroma's have another shape)", spec.name)
-            return False
         if auto_if is None:
             return True
         ok, why = auto_if(flux_model)
@@ -390,8 +419,12 @@ def apply_kernels(
             log.info("kernel %s skipped: %s", spec.name, why)
         return ok
 
-    block_specs = [s for s in selection.specs if s.name in BLOCK_OPS and applies(s)]
+    # chroma_blocks first: the block ops then judge (and switch on) Chroma's blocks with our forward in them
+    block_specs = [s for s in selection.specs if s.name == CHROMA and applies(s)]
     lines = [timed(s.name, lambda s=s: s.install(flux_model, **options.get(s.name, {}))) for s in block_specs]
+    ops_specs = [s for s in selection.specs if s.name in BLOCK_OPS and applies(s)]
+    lines += [timed(s.name, lambda s=s: s.install(flux_model, **options.get(s.name, {}))) for s in ops_specs]
+    block_specs += ops_specs
     if verify and block_specs:
         try:
             for note in timed("verify", lambda: verify_blocks(flux_model)):
@@ -405,7 +438,7 @@ def apply_kernels(
             block_specs, lines = [], []
     installed = list(block_specs)
     for spec in selection.specs:
-        if spec.name not in BLOCK_OPS and applies(spec):  # in order, each judged after the ones before it
+        if spec.name not in (*BLOCK_OPS, CHROMA) and applies(spec):  # in order, each judged after the ones before it
             try:
                 lines.append(timed(spec.name, lambda spec=spec: spec.install(flux_model, **options.get(spec.name, {}))))
             except KernelError as e:  # refused before changing anything (block_swap: no page-locked memory)

@@ -6,16 +6,49 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from flux_kernels.ops import reference
 from flux_kernels.patches.attention.backends import without_cudnn
-from flux_kernels.patches.blocks import find_blocks
+from flux_kernels.patches.blocks import chroma_kind, patched_blocks
+
+
+@dataclass
+class Modulation:
+    """What Chroma's blocks read of sd-scripts' ModulationOut: shift, scale, gate ([B, 1, hidden] each)."""
+
+    shift: Tensor
+    scale: Tensor
+    gate: Tensor
+
+
+def _chroma_inputs(block: nn.Module, kind: str, device, dtype, with_mask: bool):
+    """Chroma's block arguments as its model passes them: image tokens first, the text trimmed to the longest
+    caption (`txt_seq_len`'s max is the text's length), and with the mask two samples, the second's caption shorter
+    (padding in the batch)."""
+    hidden = block.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    b, li, lt = (2, 5, 4) if with_mask else (1, 5, 3)
+    lens = torch.tensor([lt, 2] if with_mask else [lt], device=device)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_()
+
+    def mod():
+        return Modulation(*(rnd(b, 1, hidden, scale=0.5) for _ in range(3)))
+
+    pe = reference.make_pe(b, li + lt, hidden // block.num_heads, device=device, generator=gen)
+    if kind == "double":
+        return (rnd(b, li, hidden), rnd(b, lt, hidden), pe, [[mod(), mod()], [mod(), mod()]], lens)
+    return (rnd(b, li + lt, hidden), pe, mod(), lens)
 
 
 def _verify_inputs(block: nn.Module, kind: str, device, dtype, with_mask: bool):
+    if chroma_kind(block) is not None:
+        return _chroma_inputs(block, kind, device, dtype, with_mask)
     hidden = block.hidden_size
     head_dim = hidden // block.num_heads
     gen = torch.Generator().manual_seed(0)
@@ -38,7 +71,7 @@ def verify_blocks(model: nn.Module, tolerance: Mapping[torch.dtype, float] | Non
     ValueError on a mismatch; returns notes for blocks it could not check (sd-scripts' own forward failed)."""
     tolerance = tolerance or {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-4}
     notes = []
-    double, single = find_blocks(model)
+    double, single = patched_blocks(model)
     for kind, blocks in (("double", double), ("single", single)):
         block = next((b for b in blocks if "_forward" in b.__dict__), None)
         if block is None:
@@ -76,7 +109,7 @@ def _verify_block(block: nn.Module, kind: str, device, dtype, amp, tolerance: fl
     notes = []
     for with_mask in (False, True):
         args = _verify_inputs(block, kind, device, dtype, with_mask)
-        wrt = [a for a in args if isinstance(a, Tensor) and a.requires_grad]
+        wrt = [a for a in _tensors(args) if a.requires_grad]
         with torch.enable_grad(), amp:
             try:  # not through cuDNN: its backward cache at this shape would then be wrong for the patched block's
                 with without_cudnn():  # layout, and the attention probe there (next) would reject it
@@ -93,6 +126,17 @@ def _verify_block(block: nn.Module, kind: str, device, dtype, amp, tolerance: fl
                     f"max rel. error {err:.2e} > {tolerance:.0e}"
                 )
     return notes
+
+
+def _tensors(args) -> list[Tensor]:
+    """The tensors among the block's arguments, nested ones (Chroma's modulations) included."""
+    if isinstance(args, Tensor):
+        return [args]
+    if isinstance(args, (list, tuple)):
+        return [t for a in args for t in _tensors(a)]
+    if isinstance(args, Modulation):
+        return [args.shift, args.scale, args.gate]
+    return []
 
 
 def _outs_and_grads(fn, self_or_none, args, wrt) -> list[Tensor]:

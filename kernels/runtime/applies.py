@@ -10,7 +10,7 @@ import torch
 
 from flux_kernels.memory import block_swap
 from flux_kernels.patches import fp8, lora_fold, lora_norms
-from flux_kernels.patches.blocks import find_blocks
+from flux_kernels.patches.blocks import patched_blocks
 from flux_kernels.runtime.device import as_device_info, triton_available, triton_interpreting
 
 
@@ -51,7 +51,7 @@ def fp8_applies(device) -> tuple[bool, str]:
 def fp8_base_only(model) -> tuple[bool, str]:
     """`auto` multiplies in fp8 only where the base weights already are fp8; on a bf16 base fp8 would change
     the frozen model's numbers, so it must be asked for by name."""
-    double, single = find_blocks(model)
+    double, single = patched_blocks(model)
     if fp8.has_fp8_weights(double + single):
         return True, "the base weights are fp8"
     return False, "the base weights are not fp8 (name fp8_matmul, or kernels=fp8, to quantise them)"

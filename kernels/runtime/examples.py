@@ -130,3 +130,13 @@ def prologue_example(device, dtype, B=2, L=7):
     t = torch.rand(B, generator=gen).to(device, dtype).requires_grad_()
     ids = (torch.randn(B, L, 3, generator=gen) * 20).to(device, dtype).requires_grad_()
     return t, ids
+
+
+def chroma_example(device, dtype, H=3, D=128, li=5, lt=4):
+    """q, k, v [2, H, li + lt, D] (image tokens first, then text, as Chroma joins them) and which tokens are kept:
+    every image token, and of the text all of the first caption's, 2 of the second's (padding in the batch)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (_rand(2, H, li + lt, D, device=device, dtype=dtype, gen=gen) for _ in range(3))
+    txt = torch.arange(lt)[None, :] < torch.tensor([lt, 2])[:, None]
+    keep = torch.cat((torch.ones(2, li, dtype=torch.bool), txt), dim=1).to(device)
+    return q, k, v, keep

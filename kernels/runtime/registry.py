@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from flux_kernels.memory import activation_offload, block_swap
 from flux_kernels.memory import selective_checkpoint as sac
 from flux_kernels.ops import adamw, coalesced_reduce, fast, prodigy, reference, single_process
-from flux_kernels.patches import compile_blocks, fp8, lora_fold, lora_norms, patch, prologue, single_qkv
+from flux_kernels.patches import chroma, compile_blocks, fp8, lora_fold, lora_norms, patch, prologue, single_qkv
 from flux_kernels.patches.attention.backends import SAGE_REASON
 from flux_kernels.patches.attention.probe import chosen, probe_attention
 from flux_kernels.runtime.applies import (
@@ -46,6 +46,7 @@ from flux_kernels.runtime.applies import (
 from flux_kernels.runtime.device import DeviceInfo, as_device_info
 from flux_kernels.runtime.errors import KernelError
 from flux_kernels.runtime.examples import (
+    chroma_example,
     double_qkv_example,
     fp8_example,
     gated_example,
@@ -209,6 +210,19 @@ def compile_check(info: DeviceInfo) -> tuple[bool, str]:
 REGISTRY: dict[str, KernelSpec] = {
     s.name: s
     for s in (
+        KernelSpec(
+            "chroma_blocks",
+            "Chroma's double and single blocks with our forward: the captions' padding left out of attention by a "
+            "mask over the whole batch instead of sd-scripts' per-sample trim (a host sync and data-dependent "
+            "shapes in every block), the same values at every position; what lets the attention backend, the fused "
+            "ops, single_qkv, fp8_matmul and compile_blocks into Chroma's blocks",
+            any_applies,
+            chroma.install,
+            reference=chroma.reference_trimmed_attention,
+            fast=chroma.masked_attention,
+            example=chroma_example,
+            auto_if=chroma.has_chroma_blocks,
+        ),
         KernelSpec(
             "attention",
             "choose the attention backend by measurement at the run's shape (SDPA cuDNN / flash / efficient / math, "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 # every kernel of the registry (flux_kernels.runtime.registry.REGISTRY, which checks that it holds exactly these, in
 # this order): the launcher checks a configuration's names against it without importing torch and the kernels
 KERNEL_NAMES = (
+    "chroma_blocks",
     "attention",
     "qk_norm_rope",
     "modulate",

@@ -1,7 +1,8 @@
 """Which kernels fit Chroma (sd-scripts' `library/chroma_models.Chroma`, the tiny preset's shapes, on the CPU):
-its blocks take their modulation as an argument and trim the text per sample, so they are not FLUX.1's blocks and
-every kernel working inside blocks stays out under `auto`; flux_prologue (the RoPE table and the timestep
-frequencies) gives Chroma's forward the same bits as sd-scripts' own functions."""
+its blocks take their modulation as an argument and trim the text per sample, so they are not FLUX.1's blocks, and
+without chroma_blocks (test_chroma_blocks.py: our forward for them) every kernel working inside blocks stays out under
+`auto`; flux_prologue (the RoPE table and the timestep frequencies) gives Chroma's forward the same bits as sd-scripts'
+own functions."""
 
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def test_the_real_registry_on_cpu_skips_every_gpu_kernel_with_a_reason(monkeypat
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rows = {r.check: r for r in doctor_attention.kernel_checks("cpu")}
     assert set(rows) == {f"kernel: {n}" for n in fk_registry.REGISTRY if n != "attention"}
-    for name in ("lora_grad_norms", "flux_prologue"):  # plain PyTorch: runs, and is probed, anywhere
+    for name in ("chroma_blocks", "lora_grad_norms", "flux_prologue"):  # plain PyTorch: runs, and is probed, anywhere
         ok = rows.pop(f"kernel: {name}")
         assert ok.status == "pass" and "matches the reference" in ok.evidence
     ok = rows.pop("kernel: prodigy_step")  # so is the optimizer step, against prodigyopt

@@ -176,8 +176,9 @@ def test_off_installs_nothing_and_real_registry_explicit_compile_on_cpu_raises()
 
 
 def test_every_registry_entry_is_frozen_and_complete():
-    assert list(REGISTRY) == ["attention", "qk_norm_rope", "modulate", "gated_residual", "gated_modulate",
-                              "single_qkv", "double_qkv", "fp8_matmul", "lora_fold", "flux_prologue", "lora_grad_norms",
+    assert list(REGISTRY) == ["chroma_blocks", "attention", "qk_norm_rope", "modulate", "gated_residual",
+                              "gated_modulate", "single_qkv", "double_qkv", "fp8_matmul", "lora_fold", "flux_prologue",
+                              "lora_grad_norms",
                               "prodigy_step", "adamw_step", "single_process_reduce", "coalesced_reduce",
                               "selective_checkpoint", "compile_blocks", "activation_offload",
                               "block_swap"]  # fmt: skip
@@ -185,19 +186,22 @@ def test_every_registry_entry_is_frozen_and_complete():
     assert {n: s.target for n, s in REGISTRY.items() if s.target != "model"} == {
         "prodigy_step": "optimizer", "adamw_step": "optimizer", "single_process_reduce": "trainer",
         "coalesced_reduce": "trainer"}  # fmt: skip
-    # auto = the attention choice + the single blocks' q/k/v with a written-out backward + fp8 matmuls (on an fp8
+    # auto = our forward for Chroma's blocks (on Chroma) +
+    # the attention choice + the single blocks' q/k/v with a written-out backward + fp8 matmuls (on an fp8
     # base only) + the LoRA folded into the wide layers' GEMM + the per-step embeddings without syncs + the LoRA norms
     # (where a LoRA is applied) + Prodigy's or AdamW's step (whichever the optimizer is) + no all-reduce on one
     # process, one per dtype on several + selective checkpointing (where blocks are checkpointed) + regional compile;
     # the Triton ops are opt-in until they beat compile_blocks, the double blocks' q/k/v until a whole step shows its
     # gain, activation_offload until it is measured at the tiers' caps; block_swap where sd-scripts swaps blocks
-    assert [n for n, s in REGISTRY.items() if s.in_auto] == ["attention", "single_qkv", "fp8_matmul", "lora_fold",
+    assert [n for n, s in REGISTRY.items() if s.in_auto] == ["chroma_blocks", "attention", "single_qkv",
+                                                              "fp8_matmul", "lora_fold",
                                                               "flux_prologue",
                                                               "lora_grad_norms", "prodigy_step", "adamw_step",
                                                               "single_process_reduce", "coalesced_reduce",
                                                               "selective_checkpoint", "compile_blocks",
                                                               "block_swap"]  # fmt: skip
-    assert [n for n, s in REGISTRY.items() if s.auto_if is not None] == ["fp8_matmul", "lora_fold", "lora_grad_norms",
+    assert [n for n, s in REGISTRY.items() if s.auto_if is not None] == ["chroma_blocks", "fp8_matmul", "lora_fold",
+                                                                         "lora_grad_norms",
                                                                          "selective_checkpoint",
                                                                          "block_swap"]  # fmt: skip
     for spec in REGISTRY.values():
@@ -247,7 +251,8 @@ from flux_kernels.runtime.errors import KernelError
 x, s = torch.randn(2, 5, 8), torch.randn(2, 1, 8)
 assert torch.equal(fast.modulate(x, s, s), reference.modulate(x, s, s))
 sel = registry.select("auto", "cpu")
-assert sel.installed == ("flux_prologue", "lora_grad_norms"), sel  # plain PyTorch: the ones auto takes on a CPU
+# plain PyTorch: the ones auto takes on a CPU
+assert sel.installed == ("chroma_blocks", "flux_prologue", "lora_grad_norms"), sel
 assert set(sel.skipped) == {"attention", "single_qkv", "fp8_matmul", "lora_fold", "selective_checkpoint",
                             "compile_blocks", "block_swap"}, sel
 for name in ("qk_norm_rope", "modulate", "gated_residual", "gated_modulate"):
@@ -269,8 +274,8 @@ def test_real_kernels_auto_on_cpu_via_interpreter(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: tests/gpu covers the real kernels there")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    sel = select("auto", "cpu")  # auto's kernels need CUDA but two plain-PyTorch ones; the Triton ones are not in auto
-    assert sel.installed == ("flux_prologue", "lora_grad_norms")
+    sel = select("auto", "cpu")  # auto's kernels need CUDA but 3 plain-PyTorch ones; the Triton ones are not in auto
+    assert sel.installed == ("chroma_blocks", "flux_prologue", "lora_grad_norms")
     assert set(sel.skipped) == {"attention", "single_qkv", "fp8_matmul", "lora_fold", "selective_checkpoint",
                                 "compile_blocks", "block_swap"}  # fmt: skip
     triton_kernels = ["qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
