@@ -347,7 +347,8 @@ def numerics_met(r: BenchResult) -> bool | None:
     if r.loss_rel_diff is None or r.lora_cosine is None:
         return None
     fp8 = _override(r.overrides, "precision") == "fp8_base" or (
-        r.fp8_base if r.fp8_base is not None else _fp8_base(r.run_dir))
+        r.fp8_base if r.fp8_base is not None else _fp8_base(r.run_dir)
+    )
     return r.loss_rel_diff <= LOSS_TOLERANCE["fp8" if fp8 else "bf16"] and r.lora_cosine >= LORA_COSINE_MIN
 
 
