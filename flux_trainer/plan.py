@@ -169,6 +169,7 @@ def run_shape(cfg: DictConfig, gpu: bool = True) -> policy.RunShape:
         weights_move=bool(mem.blocks_to_swap or mem.cpu_offload_checkpointing),
         gradient_accumulation_steps=int(cfg.train.gradient_accumulation_steps),
         graphs_fit=bool(mem.get("cuda_graphs", False)),
+        varying_text=str(cfg.model.get("model_type", "flux")) == "chroma",
     )
 
 

@@ -32,6 +32,9 @@ class RunShape:
     gradient_accumulation_steps: int = 1
     # the memory tier has room for the graphs' pool beside checkpointing (memory.cuda_graphs): `auto` replays there too
     graphs_fit: bool = False
+    # the blocks' text length changes from batch to batch (Chroma: sd-scripts trims the text to each batch's longest
+    # caption before the blocks): every new length would record new graphs, so `auto` does not replay there
+    varying_text: bool = False
 
     @property
     def trades_memory(self) -> bool:
@@ -72,13 +75,16 @@ def cuda_graphs(value: object, shape: RunShape) -> bool:
     (fp8 base, every block checkpointed selectively) 0.372 s/step against 0.464 for the tier without graphs, 20.4 GiB
     on the card (2026-11-28); with a bf16 base at vram48 0.471 against 0.460, so not there. On several GPUs each
     process replays its own graphs (two H200s, vram80: 0.3515 s/step against 0.3532 without, the same losses, +1.9
-    GiB on the card)."""
+    GiB on the card). Not where the text length varies (Chroma): with graphs on, a 10-step Chroma bench at vram80
+    (H200, 2026-11-28) ranged 0.13-4.1 s a step, mean 1.22 against plain sd-scripts' 0.72, as new caption lengths
+    came; `true` still turns them on."""
     chosen = setting(value)
     blockers = cuda_graph_blockers(shape)
     if chosen == "true" and blockers:
         raise GraphsBlocked(blockers)
     if chosen == "auto":
-        return not blockers and (not shape.gradient_checkpointing or shape.graphs_fit)
+        fits = not shape.gradient_checkpointing or shape.graphs_fit
+        return not blockers and not shape.varying_text and fits
     return chosen == "true"
 
 

@@ -36,6 +36,9 @@ from tests.conftest import undoing
         # the offloaded tensors are held until their copies are done (flux_kernels.memory.activation_offload.HOLD)
         (["memory=vram24", "kernels.cuda_graphs=true", "kernels.set='auto,activation_offload'"], True, True),
         (["memory=vram24", "kernels=offload"], True, True),  # the preset: the same two
+        # Chroma's text length changes per batch: every new length would record new graphs
+        (["model=random_chroma", "memory=vram80"], True, False),
+        (["model=random_chroma", "memory=vram80", "kernels.cuda_graphs=true"], True, True),
     ],
 )
 def test_decision(compose, overrides, gpu, want):
