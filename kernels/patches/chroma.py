@@ -33,7 +33,7 @@ from flux_kernels.ops import reference
 from flux_kernels.patches import lora_fold
 from flux_kernels.patches.attention.backends import heads_to_tokens
 from flux_kernels.patches.blocks import ATTR, find_chroma_blocks
-from flux_kernels.patches.patch import BlockOps, _checkpointed, _gelu_tanh, cat_tokens
+from flux_kernels.patches.patch import BlockOps, _checkpointed, _gelu_tanh, cat_tokens, double_after_attention
 from flux_kernels.patches.single_qkv import single_qkv
 from flux_kernels.runtime.errors import KernelError
 
@@ -94,13 +94,7 @@ def _double_forward(self, img: Tensor, txt: Tensor, pe: Tensor, distill_vec, txt
     attn = masked_attention(q, k, v, kept_text(txt_seq_len, img.shape[1], txt.shape[1]), ops)
     img_attn, txt_attn = attn[:, : img.shape[1]], attn[:, img.shape[1] :]
 
-    img, img_in = ops.gated_mod(img, img_mod1.gate, self.img_attn.proj(img_attn), img_mod2.shift, img_mod2.scale,
-                                self.img_norm2)  # fmt: skip
-    img = ops.gated(img, img_mod2.gate, self.img_mlp(img_in))
-    txt, txt_in = ops.gated_mod(txt, txt_mod1.gate, self.txt_attn.proj(txt_attn), txt_mod2.shift, txt_mod2.scale,
-                                self.txt_norm2)  # fmt: skip
-    txt = ops.gated(txt, txt_mod2.gate, self.txt_mlp(txt_in))
-    return img, txt
+    return double_after_attention(self, ops, img, txt, img_attn, txt_attn, (img_mod1, img_mod2), (txt_mod1, txt_mod2))
 
 
 def _single_forward(self, x: Tensor, pe: Tensor, distill_vec, txt_seq_len: Tensor) -> Tensor:

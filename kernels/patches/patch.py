@@ -126,6 +126,20 @@ def _mask(txt_attention_mask: Tensor | None, rest: int, q: Tensor) -> Tensor | N
     return m[:, None, None, :].expand(-1, q.shape[1], q.shape[2], -1)
 
 
+def double_after_attention(block: nn.Module, ops: BlockOps, img: Tensor, txt: Tensor, img_attn: Tensor,
+                           txt_attn: Tensor, img_mods: tuple, txt_mods: tuple) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """A FLUX double block after its attention (FLUX.1's and Chroma's alike): each stream's projection, gated residual
+    and modulated MLP."""
+    (img_mod1, img_mod2), (txt_mod1, txt_mod2) = img_mods, txt_mods
+    img, img_in = ops.gated_mod(img, img_mod1.gate, block.img_attn.proj(img_attn), img_mod2.shift, img_mod2.scale,
+                                block.img_norm2)  # fmt: skip
+    img = ops.gated(img, img_mod2.gate, block.img_mlp(img_in))
+    txt, txt_in = ops.gated_mod(txt, txt_mod1.gate, block.txt_attn.proj(txt_attn), txt_mod2.shift, txt_mod2.scale,
+                                block.txt_norm2)  # fmt: skip
+    txt = ops.gated(txt, txt_mod2.gate, block.txt_mlp(txt_in))
+    return img, txt
+
+
 def _double_forward(self, img: Tensor, txt: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask=None):
     ops: BlockOps = getattr(self, ATTR)
     img_mod1, img_mod2 = self.img_mod(vec)
@@ -146,13 +160,7 @@ def _double_forward(self, img: Tensor, txt: Tensor, vec: Tensor, pe: Tensor, txt
     attn = ops.attend(q, k, v, _mask(txt_attention_mask, img.shape[1], q))
     txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
 
-    img, img_in = ops.gated_mod(img, img_mod1.gate, self.img_attn.proj(img_attn), img_mod2.shift, img_mod2.scale,
-                                self.img_norm2)  # fmt: skip
-    img = ops.gated(img, img_mod2.gate, self.img_mlp(img_in))
-    txt, txt_in = ops.gated_mod(txt, txt_mod1.gate, self.txt_attn.proj(txt_attn), txt_mod2.shift, txt_mod2.scale,
-                                self.txt_norm2)  # fmt: skip
-    txt = ops.gated(txt, txt_mod2.gate, self.txt_mlp(txt_in))
-    return img, txt
+    return double_after_attention(self, ops, img, txt, img_attn, txt_attn, (img_mod1, img_mod2), (txt_mod1, txt_mod2))
 
 
 def _single_forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask=None) -> Tensor:
