@@ -30,11 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from flux_kernels.ops import reference
-from flux_kernels.patches import lora_fold
 from flux_kernels.patches.attention.backends import heads_to_tokens
 from flux_kernels.patches.blocks import ATTR, find_chroma_blocks
-from flux_kernels.patches.patch import BlockOps, _checkpointed, _gelu_tanh, cat_tokens, double_after_attention
-from flux_kernels.patches.single_qkv import single_qkv
+from flux_kernels.patches.patch import BlockOps, cat_tokens, double_after_attention, single_qkv_act
 from flux_kernels.runtime.errors import KernelError
 
 
@@ -100,17 +98,7 @@ def _double_forward(self, img: Tensor, txt: Tensor, pe: Tensor, distill_vec, txt
 def _single_forward(self, x: Tensor, pe: Tensor, distill_vec, txt_seq_len: Tensor) -> Tensor:
     ops: BlockOps = getattr(self, ATTR)
     mod = distill_vec
-    lin1 = self.linear1(ops.mod(x, mod.shift, mod.scale, self.pre_norm))
-    if ops.single_qkv and not ops.qk_norm_rope and _gelu_tanh(self.mlp_act):
-        norm = self.norm
-        q, k, v, act = single_qkv(lin1, norm.query_norm.scale, norm.key_norm.scale, pe, self.num_heads,
-                                  3 * self.hidden_size, triton_bwd=not _checkpointed(self),
-                                  gelu_in_kernel=lora_fold.folded_down(self.linear2))  # fmt: skip
-    else:
-        qkv, mlp = torch.split(lin1, [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
-        q, k, v = reference.heads(qkv, self.num_heads)
-        q, k = ops.qk([(q, k, v, self.norm)], pe)
-        act = self.mlp_act(mlp)
+    q, k, v, act = single_qkv_act(self, ops, self.linear1(ops.mod(x, mod.shift, mod.scale, self.pre_norm)), pe)
     attn = masked_attention(q, k, v, kept_single(txt_seq_len, x.shape[1]), ops)
     return ops.gated(x, mod.gate, self.linear2(torch.cat((attn, act), 2)))
 

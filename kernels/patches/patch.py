@@ -167,22 +167,25 @@ def _single_forward(self, x: Tensor, vec: Tensor, pe: Tensor, txt_attention_mask
     ops: BlockOps = getattr(self, ATTR)
     mod, _ = self.modulation(vec)
     x_mod = ops.mod(x, mod.shift, mod.scale, self.pre_norm)
-    lin1 = self.linear1(x_mod)
-    if ops.single_qkv and not ops.qk_norm_rope and _gelu_tanh(self.mlp_act):
-        norm = self.norm
-        # GELU's gradient in the Triton kernel too where it comes out of one GEMM (linear2 mirror-folded)
-        q, k, v, act = single_qkv(lin1, norm.query_norm.scale, norm.key_norm.scale, pe, self.num_heads,
-                                  3 * self.hidden_size, triton_bwd=not _checkpointed(self),
-                                  gelu_in_kernel=lora_fold.folded_down(self.linear2))  # fmt: skip
-    else:
-        qkv, mlp = torch.split(lin1, [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
-        q, k, v = reference.heads(qkv, self.num_heads)
-        q, k = ops.qk([(q, k, v, self.norm)], pe)
-        act = None
+    q, k, v, act = single_qkv_act(self, ops, self.linear1(x_mod), pe)
     rest = x.shape[1] - (txt_attention_mask.shape[1] if txt_attention_mask is not None else 0)
     attn = ops.attend(q, k, v, _mask(txt_attention_mask, rest, q))
-    output = self.linear2(torch.cat((attn, self.mlp_act(mlp) if act is None else act), 2))
-    return ops.gated(x, mod.gate, output)
+    return ops.gated(x, mod.gate, self.linear2(torch.cat((attn, act), 2)))
+
+
+def single_qkv_act(block: nn.Module, ops: BlockOps, lin1: Tensor, pe: Tensor) -> tuple[Tensor, ...]:
+    """A FLUX single block's linear1 output split into q, k (normed, RoPE'd), v and the MLP's activation (FLUX.1's
+    and Chroma's alike): in one kernel where single_qkv runs, else in sd-scripts' ops."""
+    if ops.single_qkv and not ops.qk_norm_rope and _gelu_tanh(block.mlp_act):
+        norm = block.norm
+        # GELU's gradient in the Triton kernel too where it comes out of one GEMM (linear2 mirror-folded)
+        return single_qkv(lin1, norm.query_norm.scale, norm.key_norm.scale, pe, block.num_heads,
+                          3 * block.hidden_size, triton_bwd=not _checkpointed(block),
+                          gelu_in_kernel=lora_fold.folded_down(block.linear2))  # fmt: skip
+    qkv, mlp = torch.split(lin1, [3 * block.hidden_size, block.mlp_hidden_dim], dim=-1)
+    q, k, v = reference.heads(qkv, block.num_heads)
+    q, k = ops.qk([(q, k, v, block.norm)], pe)
+    return q, k, v, block.mlp_act(mlp)
 
 
 def _checkpointed(block: nn.Module) -> bool:
