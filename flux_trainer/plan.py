@@ -22,7 +22,7 @@ from flux_trainer.backend import SDSCRIPTS, backend_for
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root
 from flux_trainer.config.random_specs import parts_for
-from flux_trainer.config.tiers import resolve_memory
+from flux_trainer.config.tiers import fit_tier_to_model, resolve_memory
 from flux_trainer.config.validate import tier_gib, validate
 
 TOKENIZER_ENV = "FLUX_TRAIN_TOKENIZER_DIR"
@@ -82,6 +82,8 @@ def resolve(cfg: DictConfig, info, *, search_dirs: list[Path] | None = None) -> 
             raise ConfigError(why)
     if chosen := resolve_memory(cfg, info):
         said.append(chosen)
+    if fitted := fit_tier_to_model(cfg):
+        said.append(fitted)
     kernels = KernelPlan(
         set=str(cfg.kernels.set),
         cuda_graphs=cuda_graphs_decision(cfg, gpu=info.is_gpu),

@@ -1,6 +1,16 @@
-"""Memory tiers: which tier a card gets (`memory=auto`), and the tier file merged under the user's own keys."""
+"""Memory tiers: which tier a card gets (`memory=auto`), the tier file merged under the user's own keys, and what a
+tier runs for a smaller model than FLUX.1 (FLUX.2 [klein]).
+
+The tier files (configs/memory/vramNN.yaml) are sized for FLUX.1's 12B transformer. FLUX.2 klein 4B (3.9B, 7.3 GiB
+in bf16) and 9B (about twice that) need far less: with FLUX.1's values every klein 4B tier swapped musubi-tuner's
+most (13 blocks) and ran 2.05-2.18 s/step at a torch peak of 3.4 GiB, against 0.176 s/step unswapped at vram80
+(H200, 2026-11-28, docs/models.md). So on these models a tier's memory keys come from MODEL_TIERS, and a memory.*
+key given on the command line with a value other than the tier file's stays the user's (as memory=auto keeps them).
+Kontext has FLUX.1's sizes and keeps the tier files."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,3 +54,54 @@ def resolve_memory(cfg: DictConfig, info) -> str | None:
     cfg.memory = OmegaConf.merge(cfg.memory, OmegaConf.load(memory_dir / f"{tier}.yaml"), users)
     has = f"has {info.vram_gib:.0f} GiB" if info.vram_gib and info.family != "cpu" else "is no GPU"
     return f"memory=auto: {info.name} {has} -> memory={tier}"
+
+
+# model_version -> size, and per size the tier's memory keys (the rest stays the tier file's). Chosen from the
+# card peaks measured at each tier's size less 0.5 GiB (docs/models.md#flux2-memory-tiers): the text encoder's
+# caching (Qwen3 4B / 8B, its own process before training) is the peak where it runs in bf16.
+SIZES = {"klein-4b": "4b", "klein-base-4b": "4b", "klein-9b": "9b", "klein-base-9b": "9b"}
+MODEL_TIERS: dict[str, dict[str, dict[str, Any]]] = {
+    "4b": {
+        # fp8 weights, musubi-tuner's most blocks swapped (13) and the text encoder in fp8: card 7.36 GiB. Nothing
+        # swapped ran 0.240 s/step but peaked at 8.2 GiB on the card (torch 5.9): over 7.5
+        "vram8": {"fp8_base": True, "blocks_to_swap": 13, "t5xxl_fp8": True},
+        # bf16 weights (7.3 GiB), every block checkpointed, nothing swapped: 0.240 s/step, card 11.24 GiB
+        "vram12": {"fp8_base": False, "blocks_to_swap": 0, "t5xxl_fp8": False},
+        "vram16": {"fp8_base": False, "blocks_to_swap": 0, "t5xxl_fp8": False},
+        "vram24": {"fp8_base": False, "blocks_to_swap": 0, "t5xxl_fp8": False},
+    },
+    "9b": {
+        # fp8 weights, the most blocks swapped (16) and the text encoder (Qwen3 8B) in fp8, whose bf16 caching
+        # alone went over 11.5 GiB; 8 swapped peaked at 12.0 GiB on the card (torch 9.4), so 16 (not measured)
+        "vram12": {"fp8_base": True, "blocks_to_swap": 16, "t5xxl_fp8": True},
+        # fp8 weights, 8 blocks swapped: 12.0 GiB on the card (0.826 s/step); the bf16 text encoder's caching 15.3.
+        # Nothing swapped peaked at 15.7 GiB (vram24's run, 0.463 s/step): over 15.5
+        "vram16": {"fp8_base": True, "blocks_to_swap": 8, "t5xxl_fp8": False},
+        "vram24": {"fp8_base": True, "blocks_to_swap": 0, "t5xxl_fp8": False},
+    },
+}
+
+
+def model_tier(cfg: DictConfig) -> dict[str, Any] | None:
+    """This model's entry for the run's tier (None: the tier file's values stand)."""
+    size = SIZES.get(str(cfg.model.get("model_version")))
+    if cfg.model.get("model_type") != "flux2" or size is None:
+        return None
+    return MODEL_TIERS[size].get(str(cfg.memory.tier))
+
+
+def fit_tier_to_model(cfg: DictConfig) -> str | None:
+    """The tier's memory keys for this model's size merged over the tier file's (in place), under the keys the
+    user set (a value other than the tier file's). Returns the line that says what changed, None where nothing did."""
+    entry = model_tier(cfg)
+    if not entry:
+        return None
+    path = shipped_config_dir() / "memory" / f"{cfg.memory.tier}.yaml"
+    shipped = OmegaConf.load(path) if path.is_file() else OmegaConf.create({})
+    users = {k: v for k, v in cfg.memory.items() if k in entry and k in shipped and shipped[k] != v}
+    changed = {k: v for k, v in entry.items() if k not in users and cfg.memory.get(k) != v}
+    if not changed:
+        return None
+    cfg.memory = OmegaConf.merge(cfg.memory, changed)
+    keys = ", ".join(f"{k}={v}" for k, v in changed.items())
+    return f"memory={cfg.memory.tier} on {cfg.model.name} ({SIZES[str(cfg.model.model_version)].upper()}): {keys}"
