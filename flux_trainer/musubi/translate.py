@@ -176,6 +176,10 @@ def training_document(cfg: DictConfig, run_dir: Path) -> tuple[Document, list[st
     mem.add("gradient_checkpointing_cpu_offload", bool(cfg.memory.cpu_offload_checkpointing) or None)
     swap, line = blocks_to_swap(cfg)
     mem.add("blocks_to_swap", swap or None, "blocks kept on the CPU between uses (the memory tier)")
+    mem.add(
+        "use_pinned_memory_for_block_swap", bool(swap) or None,
+        "page-locked host copies: musubi-tuner's default copies from pageable memory, several times slower",
+    )  # fmt: skip
     if line:
         said.append(line)
 
