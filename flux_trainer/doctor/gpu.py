@@ -314,9 +314,10 @@ def power_limit_check(info: DeviceInfo, nvml=None) -> CheckResult:
     return CheckResult(check, PASS, f"{limit:.0f} W (the card's default {default:.0f} W)", "", GROUP, data)
 
 
-def kernels_for_card(info: DeviceInfo) -> CheckResult:
+def kernels_for_card(info: DeviceInfo, only: tuple[str, ...] | None = None) -> CheckResult:
     """Which of flux_kernels' kernels and attention backends a run on this card gets, from its capability (each is
-    still probed against its reference at the run's start), and on which cards they were verified."""
+    still probed against its reference at the run's start), and on which cards they were verified; `only`: the
+    kernels the run's trainer takes (musubi-tuner's models: backend.options.MUSUBI_KERNELS)."""
     check = "kernels for card"
     if not info.is_gpu:
         return CheckResult(check, SKIP, "no CUDA GPU: flux_kernels apply to CUDA GPUs", "", GROUP)
@@ -324,9 +325,10 @@ def kernels_for_card(info: DeviceInfo) -> CheckResult:
 
     card = {"type": "cuda", "name": info.name, "capability": info.capability, "bf16": info.bf16,
             "vram_gib": info.vram_gib}  # fmt: skip
-    line = cards.summary(card)
+    line = cards.summary(card, only=only)
     verified = info.family in cards.VERIFIED_ON
-    data = {"verified_here": verified, "kernels": [c.name for c in cards.kernels_on(card) if c.applies]}
+    kernels = [c.name for c in cards.kernels_on(card) if c.applies and (only is None or c.name in only)]
+    data = {"verified_here": verified, "kernels": kernels}
     fix = "" if verified else "nothing to do: the run probes each kernel on this card and says what it installed"
     return CheckResult(check, PASS if verified else WARN, line, fix, GROUP, data)
 

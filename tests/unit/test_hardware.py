@@ -67,6 +67,25 @@ def test_a_named_card_is_planned_on_a_machine_without_it(workdir, capsys, name):
     assert f"hardware={name}: planned for {preset.card}" in out and "this machine: no CUDA GPU" in out
 
 
+@pytest.mark.parametrize(("name", "size"), [("rtx4060", "4b"), ("rtx3060", "4b"), ("rtx4080", "9b"), ("rtx3060", "9b")])
+def test_a_klein_run_planned_for_a_card_gets_its_size_s_tier_and_kernels(workdir, capsys, name, size):
+    """FLUX.2 klein on a named card: the tier's settings for the model's size (config.tiers.MODEL_TIERS) in
+    musubi-tuner's TOML, and the kernel line names only the kernels musubi-tuner's training takes."""
+    from flux_trainer.backend.options import MUSUBI_KERNELS
+    from flux_trainer.config.tiers import MODEL_TIERS
+
+    model = {"4b": "flux2_klein_base_4b", "9b": "flux2_klein_base_9b"}[size]
+    assert main(["+dataset=mychar", f"model={model}", f"hardware={name}", "dry_run=true"]) == 0
+    (run,) = run_dirs(workdir)
+    want = MODEL_TIERS[size][CARD_TIERS[name]]
+    flat = {k: v for t in tomli.loads((run / "musubi_tuner.toml").read_text()).values() for k, v in t.items()}
+    assert flat.get("blocks_to_swap", 0) == want["blocks_to_swap"] and bool(flat.get("fp8_base")) == want["fp8_base"]
+    assert flat.get("use_pinned_memory_for_block_swap", False) == bool(want["blocks_to_swap"])
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "kernels on " in x]
+    named = line.split("): ", 1)[1].split(";")[0].split(", ")
+    assert named and set(named) <= set(MUSUBI_KERNELS) and "attention backends" not in line
+
+
 def test_a_real_run_on_another_card_is_refused_naming_both(workdir, capsys):
     assert main(["+dataset=mychar", "model=random_tiny", "hardware=rtx5090"]) == 2
     err = capsys.readouterr().err
