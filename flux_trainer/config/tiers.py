@@ -41,6 +41,13 @@ def tier_for_vram(vram_gib: float | None) -> str:
     return TIERS[-1]
 
 
+def users_keys(memory: DictConfig, tier_file: str) -> dict[str, Any]:
+    """The memory.* keys the user set: those whose value differs from the shipped `configs/memory/<tier_file>.yaml`
+    (auto.yaml's placeholders, or the named tier's values)."""
+    shipped = OmegaConf.load(shipped_config_dir() / "memory" / f"{tier_file}.yaml")
+    return {k: v for k, v in memory.items() if k != "tier" and shipped.get(k) != v}
+
+
 def resolve_memory(cfg: DictConfig, info) -> str | None:
     """memory=auto: the tier file for this card's VRAM, under any memory.* key the user set on the command line
     (a value that differs from auto.yaml's placeholder is the user's and is kept). Returns the line that says which
@@ -48,10 +55,8 @@ def resolve_memory(cfg: DictConfig, info) -> str | None:
     if cfg.memory.tier != "auto":
         return None
     tier = tier_for_vram(info.vram_gib if info.family != "cpu" else None)
-    memory_dir = shipped_config_dir() / "memory"
-    placeholders = OmegaConf.load(memory_dir / "auto.yaml")
-    users = {k: v for k, v in cfg.memory.items() if k != "tier" and placeholders.get(k) != v}
-    cfg.memory = OmegaConf.merge(cfg.memory, OmegaConf.load(memory_dir / f"{tier}.yaml"), users)
+    users = users_keys(cfg.memory, "auto")
+    cfg.memory = OmegaConf.merge(cfg.memory, OmegaConf.load(shipped_config_dir() / "memory" / f"{tier}.yaml"), users)
     has = f"has {info.vram_gib:.0f} GiB" if info.vram_gib and info.family != "cpu" else "is no GPU"
     return f"memory=auto: {info.name} {has} -> memory={tier}"
 
@@ -96,9 +101,7 @@ def fit_tier_to_model(cfg: DictConfig) -> str | None:
     entry = model_tier(cfg)
     if not entry:
         return None
-    path = shipped_config_dir() / "memory" / f"{cfg.memory.tier}.yaml"
-    shipped = OmegaConf.load(path) if path.is_file() else OmegaConf.create({})
-    users = {k: v for k, v in cfg.memory.items() if k in entry and k in shipped and shipped[k] != v}
+    users = users_keys(cfg.memory, str(cfg.memory.tier))
     changed = {k: v for k, v in entry.items() if k not in users and cfg.memory.get(k) != v}
     if not changed:
         return None
