@@ -67,9 +67,10 @@ def resolve_memory(cfg: DictConfig, info) -> str | None:
 SIZES = {"klein-4b": "4b", "klein-base-4b": "4b", "klein-9b": "9b", "klein-base-9b": "9b"}
 MODEL_TIERS: dict[str, dict[str, dict[str, Any]]] = {
     "4b": {
-        # fp8 weights, musubi-tuner's most blocks swapped (13) and the text encoder in fp8: card 7.36 GiB. Nothing
-        # swapped ran 0.240 s/step but peaked at 8.2 GiB on the card (torch 5.9): over 7.5
-        "vram8": {"fp8_base": True, "blocks_to_swap": 13, "t5xxl_fp8": True},
+        # fp8 weights, 6 blocks swapped from pinned memory, the text encoder in fp8 (2026-11-29): 0.474 s/step
+        # compiled, plain musubi-tuner 0.449, card 6.6 GiB on both; 13 swapped (the most) 0.559-0.581 at 7.4; nothing
+        # swapped 0.240 but 8.2 GiB on the card (torch 5.9): over 7.5
+        "vram8": {"fp8_base": True, "blocks_to_swap": 6, "t5xxl_fp8": True},
         # bf16 weights (7.3 GiB), every block checkpointed, nothing swapped: 0.240 s/step, card 11.24 GiB
         "vram12": {"fp8_base": False, "blocks_to_swap": 0, "t5xxl_fp8": False},
         "vram16": {"fp8_base": False, "blocks_to_swap": 0, "t5xxl_fp8": False},
@@ -77,7 +78,8 @@ MODEL_TIERS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "9b": {
         # fp8 weights, the most blocks swapped (16) and the text encoder (Qwen3 8B) in fp8, whose bf16 caching
-        # alone went over 11.5 GiB; 8 swapped peaked at 12.0 GiB on the card (torch 9.4), so 16 (not measured)
+        # alone went over 11.5 GiB: 0.949 s/step against plain's 0.948, card 9.4 GiB uncompiled (kernels=auto with
+        # blocks swapped; compiled: 11.6, over); 8 swapped peaked at 12.0 GiB on the card compiled (torch 9.4)
         "vram12": {"fp8_base": True, "blocks_to_swap": 16, "t5xxl_fp8": True},
         # fp8 weights, 8 blocks swapped: 12.0 GiB on the card (0.826 s/step); the bf16 text encoder's caching 15.3.
         # Nothing swapped peaked at 15.7 GiB (vram24's run, 0.463 s/step): over 15.5

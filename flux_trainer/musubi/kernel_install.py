@@ -20,6 +20,14 @@ log = logging.getLogger("flux_trainer.musubi.runner")
 # measured on the 2-core CPU, random_flux2_klein_tiny, bf16: the probe 190 s and the first step 127 s, then 7.1 s/step
 # against 4.1 uncompiled; as on sd-scripts' side (flux_kernels' compile_applies), auto leaves the CPU alone
 ON_CPU = "kernels=compile installs it anyway (minutes of compiling on a CPU, for tests)"
+# measured 2026-11-29 on an H200 (klein 4B vram8, 13 blocks swapped; 9B vram12, 16 swapped): with blocks swapped the
+# blocks' Linear layers stay out of the graphs, and compiling the rest gave 0.97-1.03x the uncompiled step while the
+# card held 1.7-2.2 GiB more (9B vram12: 11.6 GiB against 9.4, over the tier's 11.5) and the first step came 45-100 s
+# later; so auto leaves the compile out wherever blocks are swapped
+WITH_SWAP = (
+    "with blocks swapped their Linear layers stay out of the graphs, and the compile measured 0.97-1.03x the "
+    "uncompiled step with 1.7-2.2 GiB more on the card; kernels=compile installs it anyway"
+)
 WHAT = {
     "prodigy_step": "Prodigy's step in multi-tensor ops, where the optimizer is prodigyopt's Prodigy",
     "adamw_step": "torch's AdamW step fused, where the optimizer is AdamW",
@@ -45,7 +53,13 @@ def kernels_line(cfg: Any) -> str:
     names, named = wanted(kernel_set)
     if not names:
         return "kernels: off (plain musubi-tuner compute path)"
-    parts = [f"{n} ({WHAT[n]}{'' if n in named or n != 'compile_blocks' else ', on a CUDA GPU'})" for n in names]
+    swapped = int(cfg.get("memory", {}).get("blocks_to_swap") or 0) if "compile_blocks" not in named else 0
+    parts = []
+    for n in names:
+        if n == "compile_blocks" and swapped:
+            parts.append(f"compile_blocks left out (memory.blocks_to_swap={swapped}: {WITH_SWAP})")
+            continue
+        parts.append(f"{n} ({WHAT[n]}{'' if n in named or n != 'compile_blocks' else ', on a CUDA GPU'})")
     return "kernels: " + "; ".join(parts) + "; each installed by the runner where its check passes"
 
 
@@ -70,7 +84,10 @@ def install_kernels(
     installed = list(on_optimizer or [])  # install_optimizer_kernels' (musubi-tuner builds the optimizer first)
     if "compile_blocks" in names:
         began = time.monotonic()
-        if "compile_blocks" in named or accelerator.device.type == "cuda":
+        swapped = (getattr(trainer, "blocks_to_swap", 0) or 0) > 0
+        if "compile_blocks" not in named and swapped:
+            ok, why = False, f"{trainer.blocks_to_swap} blocks are swapped: {WITH_SWAP}"
+        elif "compile_blocks" in named or accelerator.device.type == "cuda":
             try:
                 ok, why = compile_blocks(trainer, args, accelerator, network, transformer)
             except Exception as exc:  # noqa: BLE001 - an install that breaks is a skipped kernel, not a failed run

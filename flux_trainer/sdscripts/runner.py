@@ -115,6 +115,11 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
                 with threads.cpu_share("loading the base model"):
                     result = super().load_target_model(args, weight_dtype, accelerator)
             self.flux_train.model_loaded(result[3], accelerator)
+            # the model has loaded: its sha256 (the LoRA's metadata, asked for before the first step) is read now,
+            # on a thread beside the caching and the kernel checks (file_hash), unless the cache has it
+            ahead = getattr(mods.train_util.calculate_sha256, "ahead", None)
+            if ahead is not None and args.pretrained_model_name_or_path:
+                ahead(str(args.pretrained_model_name_or_path))
             return result
 
         def cache_text_encoder_outputs_if_needed(self, args, accelerator, unet, vae, text_encoders, dataset, dtype):

@@ -110,3 +110,57 @@ def test_the_cache_keeps_the_newest_entries(tmp_path, monkeypatch):
         sha(str(files[-1]))
     kept = json.loads(cache.read_text())
     assert [k.split("|")[0] for k in kept] == [os.path.realpath(f) for f in files[2:]]
+
+
+class Slow(Counting):
+    """Counting, held until `go` is set: a digest still being read when the run asks for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.go = threading.Event()
+        self.thread: str | None = None
+
+    def __call__(self, filename: str) -> str:
+        import threading
+
+        self.thread = threading.current_thread().name
+        assert self.go.wait(10)
+        return super().__call__(filename)
+
+
+def test_a_file_read_ahead_is_read_once_on_its_own_thread_and_the_call_waits_for_it(tmp_path):
+    model = tmp_path / "flux.safetensors"
+    model.write_bytes(os.urandom(5000))
+    compute, cache = Slow(), tmp_path / file_hash.CACHE_FILE
+    sha256 = file_hash.cached(compute, cache)
+    assert sha256.ahead(str(model)) is True
+    assert sha256.ahead(str(model)) is False  # being read already: not twice
+    compute.go.set()
+    want = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert sha256(str(model)) == want  # waits for the thread's digest
+    assert compute.read == [str(model)] and compute.thread == "flux-train sha256"
+    assert list(json.loads(cache.read_text()).values()) == [want]
+    assert file_hash.cached(compute, cache).ahead(str(model)) is False  # kept: a later run reads nothing
+
+
+def test_reading_ahead_skips_what_it_cannot_read_and_a_failed_thread_leaves_the_call_to_compute(tmp_path):
+    compute, cache = Counting(), tmp_path / file_hash.CACHE_FILE
+    sha256 = file_hash.cached(compute, cache)
+    assert sha256.ahead(str(tmp_path / "missing.safetensors")) is False
+    assert sha256.ahead(str(tmp_path)) is False  # a folder
+    model = tmp_path / "flux.safetensors"
+    model.write_bytes(b"x" * 64)
+    calls = []
+
+    def failing(filename):
+        calls.append(filename)
+        if len(calls) == 1:
+            raise OSError("disk went away")
+        return hashlib.sha256(open(filename, "rb").read()).hexdigest()
+
+    sha256 = file_hash.cached(failing, cache)
+    assert sha256.ahead(str(model)) is True
+    assert sha256(str(model)) == hashlib.sha256(b"x" * 64).hexdigest()  # the thread failed: computed here
+    assert len(calls) == 2
