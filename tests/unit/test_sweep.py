@@ -183,3 +183,20 @@ def test_the_pinned_sweep_dir_is_one_override_value(path):
 
     override = OverridesParser.create().parse_override(f"hydra.sweep.dir={sweep.quote_override(path)}")
     assert not override.is_sweep_override() and override.value() == path
+
+
+def test_a_sweep_over_a_musubi_tuner_model_writes_its_toml_per_member(workdir, capsys):
+    """FLUX.2 klein trains on musubi-tuner (issue 61: sweeps on every model): each member's run dir holds
+    musubi_tuner.toml with that member's value, and the summary is the same."""
+    assert main(["-m", "+dataset=mychar", "model=flux2_klein_base_4b", "network.rank=8,16", "dry_run=true"]) == 0
+    sweep_dir, summary = the_summary(workdir)
+    runs = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    dims = []
+    for run in runs:
+        assert not (run / "sd_scripts.toml").exists()
+        doc = tomli.loads((run / "musubi_tuner.toml").read_text())
+        flat = {k: v for table in doc.values() for k, v in table.items()}
+        assert flat["output_dir"] == str(run)
+        dims.append(flat["network_dim"])
+    assert dims == [8, 16]
+    assert statuses(summary) == [(0, "ok", 0), (1, "ok", 0)]
