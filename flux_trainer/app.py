@@ -359,10 +359,11 @@ def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
     if cfg.dry_run:
         say(log_lines[0])
         if str(cfg.hardware.get("name", "auto")) != "auto" and info.is_gpu:  # the named card: what it would run
-            from flux_trainer.backend.options import MUSUBI_KERNELS
             from flux_trainer.doctor.gpu import kernels_for_card
+            from flux_trainer.musubi import run as musubi_run
 
-            say(kernels_for_card(info, MUSUBI_KERNELS if prepared.backend == MUSUBI else None).evidence)
+            only = musubi_run.planned_kernels(cfg) if prepared.backend == MUSUBI else None
+            say(kernels_for_card(info, only).evidence)
         trainer_toml = "musubi_tuner.toml" if prepared.backend == MUSUBI else "sd_scripts.toml"
         say(f"dry_run=true: wrote config.yaml, {trainer_toml}, dataset.toml, command.txt; not launching")
         say(f"would run: {shlex.join(prepared.command)}")

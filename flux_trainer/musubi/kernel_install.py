@@ -47,13 +47,25 @@ def wanted(kernel_set: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return musubi_kernels(kernel_set)
 
 
+def _swapped_unless_named(cfg: Any, named: tuple[str, ...]) -> int:
+    """The blocks this run swaps, where that leaves auto's compile out (0: it does not)."""
+    return int(cfg.get("memory", {}).get("blocks_to_swap") or 0) if "compile_blocks" not in named else 0
+
+
+def planned(cfg: Any) -> tuple[str, ...]:
+    """The kernels this run will try: `kernels.set`'s, less auto's compile where blocks are swapped (ConfigError for a
+    set that cannot apply)."""
+    names, named = wanted(str(cfg.kernels.get("set", "auto")))
+    swapped = _swapped_unless_named(cfg, named)
+    return tuple(n for n in names if not (n == "compile_blocks" and swapped))
+
+
 def kernels_line(cfg: Any) -> str:
     """The run header's line: what `kernels=` will try on this run (ConfigError for a set that cannot apply)."""
-    kernel_set = str(cfg.kernels.get("set", "auto"))
-    names, named = wanted(kernel_set)
+    names, named = wanted(str(cfg.kernels.get("set", "auto")))
     if not names:
         return "kernels: off (plain musubi-tuner compute path)"
-    swapped = int(cfg.get("memory", {}).get("blocks_to_swap") or 0) if "compile_blocks" not in named else 0
+    swapped = _swapped_unless_named(cfg, named)
     parts = []
     for n in names:
         if n == "compile_blocks" and swapped:

@@ -47,6 +47,13 @@ def kernels_line(cfg: DictConfig) -> str:
     return line(cfg)
 
 
+def planned_kernels(cfg: DictConfig) -> tuple[str, ...]:
+    """The kernels the runner will try on this run (kernel_install.planned)."""
+    from flux_trainer.musubi.kernel_install import planned
+
+    return planned(cfg)
+
+
 def locate(cfg: DictConfig, dry_run: bool) -> tuple[Any, list[str]]:
     """The checkout (None on a dry run without one) and warnings to show."""
     try:

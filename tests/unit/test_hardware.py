@@ -84,6 +84,8 @@ def test_a_klein_run_planned_for_a_card_gets_its_size_s_tier_and_kernels(workdir
     (line,) = [x for x in capsys.readouterr().out.splitlines() if "kernels on " in x]
     named = line.split("): ", 1)[1].split(";")[0].split(", ")
     assert named and set(named) <= set(MUSUBI_KERNELS) and "attention backends" not in line
+    # auto leaves the compile out where blocks are swapped (flux_trainer.musubi.kernel_install.WITH_SWAP)
+    assert ("compile_blocks" in named) == (not want["blocks_to_swap"]), (named, want)
 
 
 def test_a_real_run_on_another_card_is_refused_naming_both(workdir, capsys):
