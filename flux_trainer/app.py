@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from flux_trainer.backend import MUSUBI, SDSCRIPTS, TRAINER_NAMES
+from flux_trainer.backend.samples import SAMPLE_FILE, prompts_text
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root, model_cache
 from flux_trainer.config.validate import tier_gib
@@ -35,7 +36,7 @@ from flux_trainer.sdscripts import checkout as sd_checkout
 from flux_trainer.sdscripts.parser_schema import check_training_keys, load_schema
 from flux_trainer.sdscripts.resume import SavedState, resume_decision
 from flux_trainer.sdscripts.runner import RunnerSpec
-from flux_trainer.sdscripts.translate import RunPaths, sample_prompts_text, tracker_document, translate
+from flux_trainer.sdscripts.translate import RunPaths, tracker_document, translate
 
 log = logging.getLogger("flux_trainer")
 
@@ -129,7 +130,7 @@ def prepare(
         paths = RunPaths(
             run_dir=run_dir,
             tokenizer_dir=plan.tokenizer_dir,
-            sample_prompts=run_dir / "sample_prompts.txt" if cfg.sample.prompts else None,
+            sample_prompts=run_dir / SAMPLE_FILE if cfg.sample.prompts else None,
             resume_state=state.path if state is not None else None,
             tracker_config=run_dir / "tracker.toml" if cfg.logging.tensorboard else None,
             images=tuple(staged_images),
@@ -145,7 +146,7 @@ def prepare(
         train_toml.write_text(train_doc.dumps(), encoding="utf-8")
         dataset_toml.write_text(dataset_doc.dumps(), encoding="utf-8")
         if paths.sample_prompts:
-            paths.sample_prompts.write_text(sample_prompts_text(cfg), encoding="utf-8")
+            paths.sample_prompts.write_text(prompts_text(cfg), encoding="utf-8")
         if paths.tracker_config:
             paths.tracker_config.write_text(tracker_document().dumps(), encoding="utf-8")
         if checkout is not None:

@@ -38,7 +38,6 @@ ONLY: dict[str, tuple[Any, tuple[str, ...]]] = {
     "dataset.caption_dropout_rate": (0.0, (SDSCRIPTS,)),
     "dataset.flip_aug": (False, (SDSCRIPTS,)),
     "dataset.keep_tokens": (0, (SDSCRIPTS,)),
-    "sample.prompts": ([], (SDSCRIPTS,)),
     "logging.profile_at": (None, (SDSCRIPTS,)),
     "logging.memory_snapshot_at": (None, (SDSCRIPTS,)),
     "resume": ("off", (SDSCRIPTS,)),

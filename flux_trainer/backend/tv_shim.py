@@ -1,7 +1,7 @@
 """The few `torchvision.transforms` that sd-scripts' FLUX path uses, in plain PyTorch (see
 `install_torchvision_shim`). Semantics follow torchvision's documented behaviour. musubi-tuner imports torchvision
-at the top of modules its FLUX.2 / Kontext path loads, and uses it only to tile sample videos (`utils.make_grid`),
-which the shim leaves out: a call there fails naming torchvision."""
+at the top of modules its FLUX.2 / Kontext path loads, and uses it only to tile sample images (`utils.make_grid`),
+which the shim has too."""
 
 from __future__ import annotations
 
@@ -54,6 +54,27 @@ def gaussian_blur(*_args, **_kwargs):
     raise NotImplementedError("gaussian_blur needs a real torchvision: install the build matching your torch")
 
 
+def make_grid(tensor: torch.Tensor, nrow: int = 8, padding: int = 2, pad_value: float = 0.0) -> torch.Tensor:
+    """Images [B, C, H, W] (or one [C, H, W]) tiled into one [3 or C, rows, cols] image, `nrow` to a row, each with
+    `padding` pixels of `pad_value` around it; a single image comes back as it is; one channel becomes three (as
+    torchvision's documented `make_grid`)."""
+    if tensor.dim() == 3:
+        tensor = tensor.unsqueeze(0)
+    if tensor.size(1) == 1:
+        tensor = tensor.expand(-1, 3, -1, -1)
+    if tensor.size(0) == 1:
+        return tensor[0]
+    count, channels, height, width = tensor.shape
+    cols = min(nrow, count)
+    rows = -(-count // cols)
+    cell_h, cell_w = height + padding, width + padding
+    grid = tensor.new_full((channels, rows * cell_h + padding, cols * cell_w + padding), pad_value)
+    for i in range(count):
+        top, left = (i // cols) * cell_h + padding, (i % cols) * cell_w + padding
+        grid[:, top : top + height, left : left + width] = tensor[i]
+    return grid
+
+
 def transforms_module() -> types.ModuleType:
     tr = types.ModuleType("torchvision.transforms")
     fn = types.ModuleType("torchvision.transforms.functional")
@@ -78,7 +99,8 @@ def install_torchvision_shim() -> bool:
     tv.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
     tv.__version__ = "0.0.0+flux-train-shim"
     tv.transforms = transforms_module()
-    tv.utils = types.ModuleType("torchvision.utils")  # make_grid and the rest: absent, so a use fails by name
+    tv.utils = types.ModuleType("torchvision.utils")  # make_grid alone: the rest is absent, so a use fails by name
+    tv.utils.make_grid = make_grid
     sys.modules["torchvision"] = tv
     sys.modules["torchvision.utils"] = tv.utils
     sys.modules["torchvision.transforms"] = tv.transforms

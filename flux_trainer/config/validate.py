@@ -416,6 +416,11 @@ def _check_backend(cfg: DictConfig, problems: list[str]) -> str | None:
             f"dataset '{cfg.dataset.name}': model={cfg.model.name} edits a reference image, and the dataset names "
             "none; add `control_images: /path/to/references` (one per image, same name) to its YAML"
         )
+    if model_type == "kontext" and cfg.sample.prompts:
+        problems.append(
+            f"sample.prompts: model={cfg.model.name} samples by editing a reference image given with each prompt, "
+            "which flux-train does not take yet; leave sample.prompts empty (FLUX.1 and FLUX.2 sample from them)"
+        )
     return backend
 
 

@@ -13,6 +13,7 @@ import os
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 TEXT_PREFIX = "run/"  # write_run_text({"config": ...}) -> tag "run/config"
@@ -76,6 +77,20 @@ def write_images(logdir: str | os.PathLike[str], images: Mapping[str, os.PathLik
         for tag, path in images.items():
             with Image.open(path) as im:
                 writer.add_image(tag, np.asarray(im.convert("RGB")), global_step=step, dataformats="HWC")
+
+
+def write_new_samples(logdir: str | os.PathLike[str], sample_dir: Path, logged: set[str], step: int) -> list[str]:
+    """The PNG files in `sample_dir` not in `logged` (names), as TensorBoard images `samples/<n>` at `step`: the
+    samples a trainer just rendered (sd-scripts and musubi-tuner both write them into <output_dir>/sample). `logged`
+    gains their names; returns them."""
+    if not sample_dir.is_dir():
+        return []
+    new = sorted(p for p in sample_dir.glob("*.png") if p.name not in logged)
+    if not new:
+        return []
+    write_images(logdir, {f"samples/{i:02d}": path for i, path in enumerate(new)}, step)
+    logged.update(p.name for p in new)
+    return [p.name for p in new]
 
 
 def read_images(logdir: str | os.PathLike[str]) -> dict[str, list[tuple[int, int, int]]]:

@@ -31,6 +31,7 @@ class MusubiHooks:
         self._logged = 0  # the last step whose tags went to musubi-tuner's logs
         self._texts_written = False
         self.kernels_installed: list[str] | None = None  # what kernel_install.py installed (None: not yet asked)
+        self._samples_logged: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -105,6 +106,21 @@ class MusubiHooks:
             texts["kernels"] = ", ".join(self.kernels_installed) or "none (plain musubi-tuner compute path)"
         if texts and getattr(writer, "log_dir", None):
             write_run_text(writer.log_dir, texts)
+
+    def samples_rendered(self, accelerator: Any, sample_dir: Path, step: int) -> list[str]:
+        """The images musubi-tuner just rendered from `sample.prompts` into <output_dir>/sample, as TensorBoard images
+        (`samples/<n>`) at their step, as on sd-scripts' side."""
+        if not accelerator.is_main_process:
+            return []
+        try:
+            writer = accelerator.get_tracker("tensorboard", unwrap=True)
+        except Exception:  # noqa: BLE001 - no tensorboard tracker
+            return []
+        if not getattr(writer, "log_dir", None):
+            return []
+        from flux_trainer.metrics.tensorboard import write_new_samples
+
+        return write_new_samples(writer.log_dir, sample_dir, self._samples_logged, step)
 
     def finished(self) -> None:
         if self.metrics is not None:

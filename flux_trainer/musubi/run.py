@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from flux_trainer.backend.samples import SAMPLE_FILE, prompts_text
 from flux_trainer.config import ConfigError
 from flux_trainer.config.paths import cache_root
 from flux_trainer.data.check import check_folder
@@ -110,6 +111,8 @@ def write_files(cfg: DictConfig, run_dir: Path, folders: list[MusubiFolders], ch
     train_toml, dataset_toml = run_dir / TRAIN_TOML, run_dir / "dataset.toml"
     train_toml.write_text(run.train.dumps(), encoding="utf-8")
     dataset_toml.write_text(run.dataset.dumps(), encoding="utf-8")
+    if cfg.sample.prompts:  # the live check below reads it too
+        (run_dir / SAMPLE_FILE).write_text(prompts_text(cfg), encoding="utf-8")
     if checkout is not None:
         from flux_trainer.musubi import live_check
 

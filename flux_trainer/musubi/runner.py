@@ -123,6 +123,10 @@ def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
             super().on_post_optimizer_step(args, accelerator, network, transformer, sync_gradients, global_step)
             self.flux_train.step_done(accelerator, sync_gradients, global_step)
 
+        def on_after_sample_images(self, accelerator, args, epoch, steps, *rest):
+            super().on_after_sample_images(accelerator, args, epoch, steps, *rest)
+            self.flux_train.samples_rendered(accelerator, Path(args.output_dir) / "sample", int(steps))
+
         def extra_step_logs(self, args, logs):
             extra = dict(super().extra_step_logs(args, logs))
             extra.update(self.flux_train.step_logs(self._flux_accelerator, logs))

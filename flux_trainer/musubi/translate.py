@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from flux_trainer.backend.samples import SAMPLE_FILE
 from flux_trainer.backend.toml_doc import Document, Item
 from flux_trainer.data.subsets import resolutions_of
 from flux_trainer.musubi.parser_schema import SCRIPTS, check_script_keys
@@ -204,6 +205,14 @@ def training_document(cfg: DictConfig, run_dir: Path) -> tuple[Document, list[st
         if tr.save_state:
             s.add("save_last_n_steps_state", keep)
     s.add("save_state", bool(tr.save_state) or None)
+
+    if cfg.sample.prompts:
+        sp = doc.table("sample")
+        sp.add("sample_prompts", str(run_dir / SAMPLE_FILE), "one prompt a line (flux-train's sample.prompts)")
+        sp.add("sample_every_n_steps", cfg.sample.every_n_steps)
+        sp.add("sample_every_n_epochs", cfg.sample.every_n_epochs)
+        # the trainer encodes the prompts itself, before training: in fp8 where the tier caches the captions so
+        sp.add("fp8_text_encoder", (m.model_type == "flux2" and text_encoder_fp8(cfg)) or None)
 
     lg = doc.table("logging")
     if cfg.logging.tensorboard:

@@ -410,17 +410,12 @@ class RunHooks:
 
     def log_new_samples(self, accelerator: Any, sample_dir: Path, global_step: int) -> list[str]:
         """Images sd-scripts just rendered into <output_dir>/sample, as TensorBoard images (`samples/<n>`)."""
-        if not getattr(accelerator, "is_main_process", True) or not sample_dir.is_dir():
-            return []
-        new = sorted(p for p in sample_dir.glob("*.png") if p.name not in self._samples_logged)
         logdir = tracker_logdir(accelerator)
-        if not new or logdir is None:
+        if not getattr(accelerator, "is_main_process", True) or logdir is None:
             return []
-        from flux_trainer.metrics.tensorboard import write_images
+        from flux_trainer.metrics.tensorboard import write_new_samples
 
-        write_images(logdir, {f"samples/{i:02d}": path for i, path in enumerate(new)}, global_step)
-        self._samples_logged.update(p.name for p in new)
-        return [p.name for p in new]
+        return write_new_samples(logdir, sample_dir, self._samples_logged, global_step)
 
     def write_run_texts(self, accelerator: Any) -> None:
         """Config, command, environment profile, GPU and kernels as TensorBoard text, in sd-scripts' run."""

@@ -279,16 +279,6 @@ def subset_table(d: DictConfig, subset: Subset, staged: Path | None) -> Table:
     return sub
 
 
-def sample_prompts_text(cfg: DictConfig) -> str:
-    """sd-scripts' prompt file: one prompt per line with --w/--h/--s/--g/--d options."""
-    s = cfg.sample
-    lines = []
-    for prompt in s.prompts:
-        text = " ".join(str(prompt).split())  # one line per prompt: newlines would split it
-        lines.append(f"{text} --w {s.width} --h {s.height} --s {s.steps} --g {s.guidance} --d {s.seed}")
-    return "\n".join(lines) + "\n"
-
-
 TENSORBOARD_MAX_QUEUE = 1000  # events the writer thread may have waiting before a log call blocks (torch: 10)
 TENSORBOARD_FLUSH_SECS = 10  # how often the writer thread flushes the events file (torch: 120)
 

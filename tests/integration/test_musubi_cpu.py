@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 
 from flux_trainer.config import ConfigError
-from flux_trainer.metrics.tensorboard import read_scalars, read_texts
+from flux_trainer.metrics.tensorboard import read_images, read_scalars, read_texts
 from flux_trainer.musubi.checkout import locate
 from tests.integration.tiny_run import CHECKOUT, flux_train, fresh_env, newest_run, tiny_dataset
 
@@ -80,10 +80,18 @@ def check_run(work, module: str, arch: str) -> dict:
 def test_flux2_klein_tiny_trains_two_steps_through_musubi_tuner(tmp_path):
     need_checkouts()
     tiny_dataset(tmp_path, extra="trigger: ohwx\n")
-    got = flux_train(tmp_path, "+dataset=tiny", "model=random_flux2_klein_tiny", "train.max_steps=2",
+    samples = ["sample.prompts=[a red square]", "sample.every_n_steps=2", "sample.steps=2", "sample.width=64",
+               "sample.height=96"]  # fmt: skip
+    got = flux_train(tmp_path, "+dataset=tiny", "model=random_flux2_klein_tiny", "train.max_steps=2", *samples,
                      env=musubi_env(tmp_path))  # fmt: skip
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     out = got.stdout
+    # the sample prompt rendered by musubi-tuner at step 2, in the run dir and as a TensorBoard image at its step
+    run = newest_run(tmp_path)
+    assert (run / "sample_prompts.txt").read_text() == "a red square --w 64 --h 96 --s 2 --g 3.5 --d 42\n"
+    assert sorted(run.glob("sample/tiny_000002_00_*.png"))
+    (events,) = {p.parent for p in (run / "tb").rglob("events.out.tfevents.*")}
+    assert (2, 64, 96) in read_images(events)["samples/00"]
     assert "compile_blocks (regional torch.compile of the double and single blocks, checked against the eager " in out
     assert "block, on a CUDA GPU)" in out
     log = (newest_run(tmp_path) / "train.log").read_text()  # auto on the CPU: skipped with its reason, one line

@@ -151,3 +151,13 @@ def test_the_doctor_tells_a_flux2_file_from_a_flux1_one(tmp_path):
         "text_encoder", tmp_path / "f1.safetensors", model_name="flux2_klein_base_4b", model_type="flux2"
     )
     assert row.status == FAIL and "must be FLUX.2's text encoder" in row.evidence
+
+
+def test_sample_prompts_are_taken_on_flux2_and_refused_in_one_line_on_kontext(compose, kontext_set):
+    """musubi-tuner renders FLUX.2 samples from the prompts file; a Kontext sample edits a reference image given
+    with each prompt, which flux-train does not take yet: one line, not a silently different sample."""
+    prompts = ["sample.prompts=[a red square]", "sample.every_n_steps=100"]
+    validate(compose("+dataset=mychar", "model=random_flux2_klein_tiny", *prompts))  # no ConfigError
+    kontext = problems_of(compose("+dataset=edits", "model=random_kontext_tiny", *prompts))
+    (line,) = [p for p in kontext if p.startswith("sample.prompts")]
+    assert "reference image" in line and "leave sample.prompts empty" in line and "\n" not in line

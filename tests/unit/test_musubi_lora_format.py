@@ -352,3 +352,20 @@ def test_train_comfy_copy_reaches_the_runner_and_is_refused_where_sd_scripts_tra
         validate(compose("+dataset=mychar", "model=random_tiny", "train.comfy_copy=false"))
     (line,) = [p for p in info.value.problems if p.startswith("train.comfy_copy=False")]
     assert "sd-scripts" in line and "remove it" in line
+
+
+def test_the_torchvision_shims_make_grid_tiles_images_as_documented():
+    """musubi-tuner saves its sample images through torchvision.utils.make_grid; where torchvision is absent the shim
+    has it: one image as it is, several in rows of `nrow` with `padding` pixels of `pad_value` around each."""
+    import torch
+
+    from flux_trainer.backend.tv_shim import make_grid
+
+    one = torch.rand(3, 4, 5)
+    assert torch.equal(make_grid(one[None], nrow=1), one)
+    images = torch.stack([torch.full((3, 4, 5), float(i + 1)) for i in range(3)])
+    grid = make_grid(images, nrow=2, padding=1, pad_value=0.5)
+    assert grid.shape == (3, 2 * (4 + 1) + 1, 2 * (5 + 1) + 1)
+    assert grid[0, 1, 1] == 1 and grid[0, 1, 7] == 2 and grid[0, 6, 1] == 3  # row-major, each after the padding
+    assert grid[0, 0, 0] == 0.5 and grid[0, 6, 7] == 0.5  # padding, and the empty fourth cell
+    assert make_grid(torch.rand(2, 1, 4, 4)).shape[0] == 3  # one channel becomes three

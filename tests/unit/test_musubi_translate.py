@@ -131,3 +131,24 @@ def test_the_trigger_word_is_written_into_the_captions():
     assert caption_text("ohwx", " a cat\n") == "ohwx, a cat"
     assert caption_text("ohwx", None) == "ohwx"
     assert caption_text(None, "a cat") == "a cat"
+
+
+def test_sample_prompts_go_to_musubi_tuners_toml_with_the_tiers_text_encoder_precision(flux2):
+    run, _ = run_of(flux2("memory=vram8", "sample.prompts=[a red square]", "sample.every_n_steps=50"))
+    flat = run.train.flat()
+    assert flat["sample_prompts"] == str(RUN / "sample_prompts.txt") and flat["sample_every_n_steps"] == 50
+    assert flat["fp8_text_encoder"] is True  # vram8 caches the captions in fp8: the trainer encodes the prompts so
+    assert run.problems() == []
+    run, _ = run_of(flux2())
+    assert not {"sample_prompts", "sample_every_n_steps", "fp8_text_encoder"} & set(run.train.flat())
+
+
+def test_the_prompts_file_is_the_format_both_trainers_read(flux2):
+    from flux_trainer.backend.samples import prompts_text
+
+    cfg = flux2("sample.prompts=[a red square,a cat]", "sample.width=768", "sample.seed=7")
+    cfg.sample.prompts[0] = "a red\n  square"  # one line per prompt whatever the YAML held
+    assert (
+        prompts_text(cfg)
+        == "a red square --w 768 --h 1024 --s 20 --g 3.5 --d 7\na cat --w 768 --h 1024 --s 20 --g 3.5 --d 7\n"
+    )
