@@ -113,18 +113,7 @@ def prepare(
     run_dir, made = run_dir.resolve(), False
     try:
         run_dir, made = rundir.claim_run_dir(run_dir, command=sys.argv), True
-        state = None
-        if cfg.resume == "auto":
-            decision = resume_decision(runs_root, cfg.train.output_name, cfg.train.max_steps)
-            for line in decision.skipped:
-                say(line)
-            say(decision.sentence)
-            if decision.finished:
-                raise FinishedRun(decision.sentence)
-            state = decision.state
-        elif cfg.resume != "off":
-            state = SavedState(Path(cfg.resume).expanduser().resolve(), step=-1, final=False)  # step read by sd-scripts
-
+        state = resume_state(cfg, runs_root)
         if not cfg.dry_run:
             preflight_doctor(cfg, info)
         paths = RunPaths(
@@ -197,6 +186,22 @@ def prepare(
     return Prepared(run_dir, cmd, env, checkout, random_preset, profiles.profile_lines(profile), lock, info)
 
 
+def resume_state(cfg: DictConfig, runs_root: Path) -> SavedState | None:
+    """The state `resume=` continues from, for either trainer (None: start fresh); FinishedRun when `resume=auto`
+    finds the output name's newest state at train.max_steps already."""
+    if cfg.resume == "auto":
+        decision = resume_decision(runs_root, cfg.train.output_name, cfg.train.max_steps)
+        for line in decision.skipped:
+            say(line)
+        say(decision.sentence)
+        if decision.finished:
+            raise FinishedRun(decision.sentence)
+        return decision.state
+    if cfg.resume != "off":  # a folder named by hand: its step is read in the training process
+        return SavedState(Path(cfg.resume).expanduser().resolve(), step=-1, final=False)
+    return None
+
+
 def _prepare_musubi(cfg: DictConfig, plan, run_dir: Path, exclusive: bool) -> Prepared:
     """prepare() for a model that trains on musubi-tuner (FLUX.2, Kontext): the same run dir, launch and rollback,
     musubi-tuner's files (flux_trainer.musubi.run)."""
@@ -216,13 +221,15 @@ def _prepare_musubi(cfg: DictConfig, plan, run_dir: Path, exclusive: bool) -> Pr
     run_dir, made = run_dir.resolve(), False
     try:
         run_dir, made = rundir.claim_run_dir(run_dir, command=sys.argv), True
+        state = resume_state(cfg, runs_root)
         if not cfg.dry_run:
             preflight_doctor(cfg, info)
         profile = profiles.environment_profile(info, os.environ, gpus=plan.gpus, cache_dir=cache_root())
         musubi_run.write_config(cfg, run_dir)
+        resume = state.path if state is not None else None
         # what importing musubi-tuner prints (its live check) goes to the run's log, as all of its output does
         with open(run_dir / "train.log", "a", encoding="utf-8") as log_file, _quietly(log_file):
-            files = musubi_run.write_files(cfg, run_dir, folders, checkout)
+            files = musubi_run.write_files(cfg, run_dir, folders, checkout, resume)
         for line in files.said:
             say(line)
         accel_path = run_dir / "accelerate.yaml"

@@ -40,7 +40,6 @@ ONLY: dict[str, tuple[Any, tuple[str, ...]]] = {
     "dataset.keep_tokens": (0, (SDSCRIPTS,)),
     "logging.profile_at": (None, (SDSCRIPTS,)),
     "logging.memory_snapshot_at": (None, (SDSCRIPTS,)),
-    "resume": ("off", (SDSCRIPTS,)),
     "cache.latents": (True, (SDSCRIPTS,)),  # musubi-tuner trains from its caches only: false is sd-scripts'
     "cache.text_encoder_outputs": (True, (SDSCRIPTS,)),
 }

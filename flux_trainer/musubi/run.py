@@ -101,10 +101,12 @@ def stage_dataset(cfg: DictConfig, staged: list[Path]) -> list[MusubiFolders]:
     return folders
 
 
-def write_files(cfg: DictConfig, run_dir: Path, folders: list[MusubiFolders], checkout: Any) -> MusubiFiles:
+def write_files(
+    cfg: DictConfig, run_dir: Path, folders: list[MusubiFolders], checkout: Any, resume: Path | None = None
+) -> MusubiFiles:
     """The dataset TOML, the training TOML and runner.json, checked against the committed schema (and the live
-    parsers with a checkout). ConfigError with every problem."""
-    run, said = translate(cfg, run_dir, folders)
+    parsers with a checkout). `resume`: the state folder the run continues from. ConfigError with every problem."""
+    run, said = translate(cfg, run_dir, folders, resume)
     problems = run.problems()
     if problems:
         raise ConfigError(problems)

@@ -6,8 +6,9 @@ script in a process of its own (flux_trainer.musubi.script: their models leave m
 goes to the same log), then trains in this process: the trainer script's own `main()` parses our TOML exactly as its
 command line would (`--config_file`, `--dataset_config`), and builds our subclass of its trainer class, which the
 module names while main runs. The subclass overrides only musubi-tuner's extension seams (hooks.py: metrics,
-progress; on_train_start also installs `kernels=`, kernel_install.py). With several processes the main process
-caches and the others wait for it.
+progress; on_train_start also installs `kernels=`, kernel_install.py) and, for resume, whole saves and a stop after a
+step, a few of its methods and its state helpers (continuation.py). With several processes the main process caches
+and the others wait for it.
 """
 
 from __future__ import annotations
@@ -90,12 +91,15 @@ def cache_all(spec: RunnerSpec, run_dir: Path) -> None:
 
 def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
     """Our subclass of musubi-tuner's trainer class, built against the checkout imported at run time."""
+    from flux_trainer.musubi.continuation import EpochCounter, MusubiContinuation
     from flux_trainer.musubi.hooks import MusubiHooks
 
     class FluxTrainMusubiTrainer(base):
         def __init__(self) -> None:
             super().__init__()
             self.flux_train = MusubiHooks(spec.metrics, run_dir, spec.max_steps)
+            self.continuation = MusubiContinuation(None, None, "")  # inert until train() makes the run's own
+            self._flux_args = None
 
         def get_optimizer(self, args, trainable_params):
             built = super().get_optimizer(args, trainable_params)  # (name, args, optimizer, train_fn, eval_fn)
@@ -114,6 +118,20 @@ def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
             self.flux_train.kernels_installed = installed
             self._flux_accelerator = accelerator
             self.flux_train.train_start(args, accelerator)
+            self.continuation.train_start(args)  # its loop counts its epochs from max_train_steps next
+
+        def _build_dataset(self, args):
+            group, collator, shared_epoch = super()._build_dataset(args)
+            return group, collator, EpochCounter(shared_epoch, self.continuation)  # the loop's epochs: the run's
+
+        def _prepare_with_accelerator(self, args, accelerator, *rest, **kwargs):
+            self.continuation.accelerator_ready(accelerator)  # before the loader and the network are prepared
+            return super()._prepare_with_accelerator(args, accelerator, *rest, **kwargs)
+
+        def scale_shift_latents(self, latents):
+            # each training micro-batch, after its fetch and before its noise: a stop request ends here
+            self.continuation.step_start(self._flux_args)
+            return super().scale_shift_latents(latents)
 
         def process_batch(self, *args, **kwargs):
             self.flux_train.batch_arrived()
@@ -121,21 +139,34 @@ def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
 
         def on_post_optimizer_step(self, args, accelerator, network, transformer, sync_gradients, global_step):
             super().on_post_optimizer_step(args, accelerator, network, transformer, sync_gradients, global_step)
-            self.flux_train.step_done(accelerator, sync_gradients, global_step)
+            self.flux_train.step_done(accelerator, sync_gradients, self.continuation.run_step(global_step))
+
+        def sample_images(self, accelerator, args, epoch, steps, *rest):
+            # a resumed run's samples are named by the run's step (musubi-tuner's own counts from 0 again)
+            return super().sample_images(accelerator, args, epoch, self.continuation.run_step(steps), *rest)
 
         def on_after_sample_images(self, accelerator, args, epoch, steps, *rest):
             super().on_after_sample_images(accelerator, args, epoch, steps, *rest)
-            self.flux_train.samples_rendered(accelerator, Path(args.output_dir) / "sample", int(steps))
+            step = self.continuation.run_step(steps)
+            self.flux_train.samples_rendered(accelerator, Path(args.output_dir) / "sample", step)
 
         def extra_step_logs(self, args, logs):
+            self.continuation.step_log = True  # the accelerator.log that follows is the step's: the run's step
             extra = dict(super().extra_step_logs(args, logs))
             extra.update(self.flux_train.step_logs(self._flux_accelerator, logs))
             return extra
 
         def train(self, args):
+            from musubi_tuner.utils import train_utils
+
+            self._flux_args = args
+            processes = int(os.environ.get("WORLD_SIZE", "1"))
+            self.continuation = MusubiContinuation(args.resume, args.seed, args.output_name, processes=processes)
+            self.continuation.install(train_utils)
             try:
                 return super().train(args)
             finally:
+                self.continuation.remove()
                 self.flux_train.finished()
 
     return FluxTrainMusubiTrainer
@@ -196,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, type=Path)
     ns = ap.parse_args(argv)
     from flux_kernels.runtime.errors import KernelError
+    from flux_trainer.sdscripts.continuation import EXIT_DISK_FULL, DiskFull, Interrupted
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = RunnerSpec.read(ns.run_dir)
@@ -211,9 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     except KernelError as exc:
         code, reason = 2, f"kernels: {exc}"  # a kernel the user named cannot run here
         log.error("%s", reason)
-    except KeyboardInterrupt:
-        code, reason = 130, "interrupted (SIGINT); musubi-tuner keeps no partial state flux-train resumes yet"
+    except Interrupted as exc:  # a stop request, honoured after a whole step: no traceback
+        code, reason = 130, str(exc)
         log.warning("%s", reason)
+    except KeyboardInterrupt as exc:  # while caching, before training started, or asked twice
+        code, reason = 130, f"interrupted ({exc or 'SIGINT'}) before a step could finish; resume=auto continues from "
+        reason += "the last state saved"
+        log.warning("%s", reason)
+    except DiskFull as exc:
+        code, reason = EXIT_DISK_FULL, str(exc)
+        log.error("%s", reason)
     finally:
         if _is_main_process():
             try:

@@ -138,8 +138,9 @@ def optimizer_args(args: dict[str, Any]) -> list[Item]:
     return items
 
 
-def training_document(cfg: DictConfig, run_dir: Path) -> tuple[Document, list[str]]:
-    """The trainer's TOML (--config_file; --dataset_config is given on its command line) and lines to show."""
+def training_document(cfg: DictConfig, run_dir: Path, resume: Path | None = None) -> tuple[Document, list[str]]:
+    """The trainer's TOML (--config_file; --dataset_config is given on its command line) and lines to show.
+    `resume`: the state folder to continue from (app.resume_state chose it)."""
     m, tr, said = cfg.model, cfg.train, []
     doc = Document(header=f"musubi-tuner {SCRIPTS[str(m.model_type)][2]}.py --config_file, written by flux-train")
     t = doc.table("model")
@@ -204,7 +205,8 @@ def training_document(cfg: DictConfig, run_dir: Path) -> tuple[Document, list[st
         s.add("save_last_n_steps", keep, f"keep the last {tr.save_last_n} snapshots")
         if tr.save_state:
             s.add("save_last_n_steps_state", keep)
-    s.add("save_state", bool(tr.save_state) or None)
+    s.add("save_state", bool(tr.save_state) or None, "optimizer and data position too, so resume=auto loses nothing")
+    s.add("resume", str(resume) if resume is not None else None, "the saved state this run continues from")
 
     if cfg.sample.prompts:
         sp = doc.table("sample")
@@ -221,10 +223,12 @@ def training_document(cfg: DictConfig, run_dir: Path) -> tuple[Document, list[st
     return doc, said
 
 
-def translate(cfg: DictConfig, run_dir: Path, folders: list[MusubiFolders]) -> tuple[MusubiRun, list[str]]:
+def translate(
+    cfg: DictConfig, run_dir: Path, folders: list[MusubiFolders], resume: Path | None = None
+) -> tuple[MusubiRun, list[str]]:
     """The whole run for musubi-tuner, and lines to show (a block count lowered to the model's maximum)."""
     dataset_toml = run_dir / "dataset.toml"
-    train, said = training_document(cfg, run_dir)
+    train, said = training_document(cfg, run_dir, resume)
     run = MusubiRun(
         scripts=SCRIPTS[str(cfg.model.model_type)],
         dataset=dataset_document(cfg, folders),

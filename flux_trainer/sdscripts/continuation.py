@@ -168,29 +168,38 @@ class Continuation:
 
     # ---- install ----------------------------------------------------------------------------------------------
     def install(self, mods: Any) -> None:
-        """Wrap sd-scripts' state and step-name functions for the run (undone by `remove`)."""
-        tu = self.train_util = mods.train_util
-        offset = self.offset
-
-        def wrap(name: str, make: Any) -> None:
-            original = getattr(tu, name)
-            setattr(tu, name, make(original))
-            self._undo.append(lambda: setattr(tu, name, original))
-
-        wrap("get_step_ckpt_name", lambda f: lambda args, ext, step_no: f(args, ext, step_no + offset))
-        wrap("save_and_remove_state_stepwise", lambda f: lambda args, acc, step_no: f(args, acc, step_no + offset))
-
-        def remove_no(f: Any) -> Any:
-            def get_remove_step_no(args: Any, step_no: int) -> int | None:
-                r = f(args, step_no + offset)
-                return None if r is None else r - offset  # get_step_ckpt_name adds it back
-
-            return get_remove_step_no
-
-        wrap("get_remove_step_no", remove_no)
+        """Wrap the trainer's state and step-name functions for the run, and take SIGINT/SIGTERM (undone by
+        `remove`). `mods`: sd-scripts' modules here; a subclass for another trainer takes what `wrap_names` needs."""
+        self.wrap_names(mods)
         if self.processes == 1:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._signals[sig] = signal.signal(sig, self._on_signal)
+
+    def wrap(self, module: Any, name: str, make: Any) -> None:
+        """`module.name` replaced by `make(original)` until `remove`."""
+        original = getattr(module, name)
+        setattr(module, name, make(original))
+        self._undo.append(lambda: setattr(module, name, original))
+
+    def wrap_names(self, mods: Any) -> None:
+        """sd-scripts' step names and stepwise state saves take the run's step (the part another trainer differs in;
+        `self.train_util` is then the module whose `save_and_remove_state_stepwise(args, acc, step)` a stop calls)."""
+        tu = self.train_util = mods.train_util
+        offset = self.offset
+        self.wrap(tu, "get_step_ckpt_name", lambda f: lambda args, ext, step_no: f(args, ext, step_no + offset))
+        self.wrap(tu, "save_and_remove_state_stepwise", lambda f: lambda args, acc, n: f(args, acc, n + offset))
+        self.wrap(tu, "get_remove_step_no", self.remove_no)
+
+    def remove_no(self, f: Any) -> Any:
+        """`get_remove_step_no(args, step_no)` (sd-scripts' and musubi-tuner's) in run steps; the step-name function
+        adds the offset back."""
+        offset = self.offset
+
+        def get_remove_step_no(args: Any, step_no: int) -> int | None:
+            r = f(args, step_no + offset)
+            return None if r is None else r - offset
+
+        return get_remove_step_no
 
     def remove(self) -> None:
         for undo in reversed(self._undo):
@@ -260,9 +269,7 @@ class Continuation:
         per_epoch = max(1, math.ceil(batches / self.accumulation))
         epoch = self.offset // per_epoch
         skip = min((self.offset - epoch * per_epoch) * self.accumulation, batches)
-        dataset = getattr(self.loader, "dataset", None)
-        if hasattr(dataset, "set_current_epoch"):
-            dataset.set_current_epoch(epoch)  # sd-scripts shuffles its buckets once per epoch, seeded by epoch
+        self.data_epoch(epoch, skip)
         if saved is not None and self.order is not None and saved["at"] == "epoch" and skip == 0:
             rng_state.restore(saved["rng"])  # the next epoch's loader is made, and its order drawn, from here
             self.order.own_generator(saved)
@@ -279,12 +286,20 @@ class Continuation:
         if self.processes == 1 or os.environ.get("RANK", "0") == "0":
             say(text)
 
+    def data_epoch(self, epoch: int, skip: int) -> None:
+        """The dataset's per-epoch bucket shuffles replayed up to the resumed epoch (0-based `epoch`, `skip` batches
+        of it already trained)."""
+        dataset = getattr(self.loader, "dataset", None)
+        if hasattr(dataset, "set_current_epoch"):
+            dataset.set_current_epoch(epoch)  # sd-scripts shuffles its buckets once per epoch, seeded by epoch
+
     # ---- every micro-batch -----------------------------------------------------------------------------------
     def step_start(self, args: Any) -> None:
         """Before a training micro-batch: honour a stop request at a step boundary."""
         if not self.in_loop:
             self.in_loop, self.args = True, args
-            self.max_steps = int(args.max_train_steps)
+            if self.max_steps is None:  # a trainer whose loop reads it earlier set it before (musubi/continuation)
+                self.max_steps = int(args.max_train_steps)
             if self.offset:
                 args.max_train_steps = self.max_steps - self.offset  # sd-scripts' loop counts from 0
             if self.loader is not None:
@@ -359,16 +374,21 @@ class Continuation:
             f"{final.parent.parent}, or fewer kept states: train.save_last_n) and run again with resume=auto"
         )
 
+    def run_metadata(self, metadata: dict) -> dict:
+        """A resumed run's LoRA metadata in the run's terms: its steps."""
+        if "ss_steps" in metadata:
+            return {**metadata, "ss_steps": str(int(metadata["ss_steps"]) + self.offset)}
+        return metadata
+
     def atomic_weights(self, network: Any) -> None:
         """The network's LoRA files appear only complete (written aside, synced, renamed), with the run's step."""
         if getattr(network, "_flux_train_atomic", False):
             return
         original = network.save_weights
-        offset = self.offset
 
         def save_weights(file: str, dtype: Any, metadata: dict | None) -> Any:
-            if metadata is not None and "ss_steps" in metadata and offset:
-                metadata = {**metadata, "ss_steps": str(int(metadata["ss_steps"]) + offset)}
+            if metadata is not None and self.offset:
+                metadata = self.run_metadata(metadata)
             final = Path(file)
             # the extension stays last: sd-scripts picks safetensors or torch.save by it
             partial = final.with_name(f".{final.stem}{PARTIAL}{final.suffix}")
