@@ -22,7 +22,7 @@ log = logging.getLogger("flux_trainer.musubi.runner")
 ON_CPU = "kernels=compile installs it anyway (minutes of compiling on a CPU, for tests)"
 # measured 2026-11-29 on an H200 (klein 4B vram8, 13 blocks swapped; 9B vram12, 16 swapped): with blocks swapped the
 # blocks' Linear layers stay out of the graphs, and compiling the rest gave 0.97-1.03x the uncompiled step while the
-# card held 1.7-2.2 GiB more (9B vram12: 11.6 GiB against 9.4, over the tier's 11.5) and the first step came 45-100 s
+# card held 1.7-2.2 GiB more (9B vram12: 11.6 GiB against 9.4, over the tier's 11.5) and the first step came 55-100 s
 # later; so auto leaves the compile out wherever blocks are swapped
 WITH_SWAP = (
     "with blocks swapped their Linear layers stay out of the graphs, and the compile measured 0.97-1.03x the "
