@@ -239,6 +239,7 @@ def absolute_paths(cfg: DictConfig) -> None:
         cfg.dataset.control_images = str(Path(cfg.dataset.control_images).expanduser().absolute())
     for subset in cfg.dataset.subsets:
         subset.images = str(Path(subset.images).expanduser().absolute())
+    cfg.sample.references = [str(Path(str(r)).expanduser().absolute()) for r in cfg.sample.get("references") or []]
 
 
 def processes(cfg: DictConfig, info) -> int:

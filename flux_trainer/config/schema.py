@@ -188,6 +188,8 @@ class SampleConfig:
     height: int = 1024
     guidance: float = 3.5
     seed: int = 42
+    # Kontext: the reference image each sample edits, one for every prompt or one per prompt (in their order)
+    references: list[str] = field(default_factory=list)
 
 
 @dataclass

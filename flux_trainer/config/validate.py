@@ -416,12 +416,52 @@ def _check_backend(cfg: DictConfig, problems: list[str]) -> str | None:
             f"dataset '{cfg.dataset.name}': model={cfg.model.name} edits a reference image, and the dataset names "
             "none; add `control_images: /path/to/references` (one per image, same name) to its YAML"
         )
-    if model_type == "kontext" and cfg.sample.prompts:
-        problems.append(
-            f"sample.prompts: model={cfg.model.name} samples by editing a reference image given with each prompt, "
-            "which flux-train does not take yet; leave sample.prompts empty (FLUX.1 and FLUX.2 sample from them)"
-        )
+    _check_sample_references(cfg, model_type, problems)
     return backend
+
+
+def _check_sample_references(cfg: DictConfig, model_type: str, problems: list[str]) -> None:
+    """Kontext samples edit a reference image: one for every prompt or one per prompt, each an image that opens (a
+    bad one would stop the run at its first sample, after the caching and the first steps). Other models take none."""
+    s = cfg.sample
+    refs = [str(r) for r in s.get("references") or []]
+    if model_type != "kontext":
+        if refs:
+            problems.append(
+                f"sample.references: model={cfg.model.name} samples from the prompt alone; only Kontext edits a "
+                "reference image; remove sample.references"
+            )
+        return
+    if s.prompts and not refs:
+        problems.append(
+            f"sample.prompts: model={cfg.model.name} samples by editing a reference image; add "
+            "sample.references=[/path/to/reference.png] (one for every prompt, or one per prompt in their order)"
+        )
+        return
+    if refs and len(refs) not in (1, len(s.prompts)):
+        problems.append(
+            f"sample.references: {len(refs)} images for {len(s.prompts)} prompts; give one for every prompt or one "
+            "per prompt"
+        )
+    for ref in refs:
+        path = Path(ref).expanduser()
+        if not path.is_file():
+            problems.append(f"sample.references: {ref} is not a file")
+        elif path.suffix.lower() not in IMAGE_EXTENSIONS:
+            problems.append(f"sample.references: {ref} is not an image ({', '.join(IMAGE_EXTENSIONS)})")
+        elif (why := _unreadable_image(path)) is not None:
+            problems.append(f"sample.references: {ref} does not open as an image ({why})")
+
+
+def _unreadable_image(path: Path) -> str | None:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except Exception as exc:  # noqa: BLE001 - any failure to decode is the answer
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
 
 
 def _check_loss_and_validation(cfg: DictConfig, problems: list[str], warnings: list[str]) -> None:

@@ -112,10 +112,18 @@ def test_kontext_tiny_trains_two_steps_with_its_references(tmp_path):
     need_checkouts()
     refs = references(tmp_path)
     tiny_dataset(tmp_path, extra=f"control_images: {refs}\n")
-    got = flux_train(tmp_path, "+dataset=tiny", "model=random_kontext_tiny", "train.max_steps=2",
+    samples = ["sample.prompts=[make it blue]", f"sample.references=[{refs / 'im1.jpg'}]", "sample.every_n_steps=2",
+               "sample.steps=2", "sample.width=64", "sample.height=64"]  # fmt: skip
+    got = flux_train(tmp_path, "+dataset=tiny", "model=random_kontext_tiny", "train.max_steps=2", *samples,
                      env=musubi_env(tmp_path))  # fmt: skip
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     check_run(tmp_path, "networks.lora_flux", "flux_kontext")
+    # the sample edits its reference image (musubi-tuner's --ci), rendered at step 2 and shown in TensorBoard
+    run = newest_run(tmp_path)
+    assert (run / "sample_prompts.txt").read_text().endswith(f"--d 42 --ci {refs / 'im1.jpg'}\n")
+    assert sorted(run.glob("sample/tiny_000002_00_*.png"))
+    (events,) = {p.parent for p in (run / "tb").rglob("events.out.tfevents.*")}
+    assert (2, 64, 64) in read_images(events)["samples/00"]
     log = (newest_run(tmp_path) / "train.log").read_text()
     assert "4 images have 1 control images" in log  # musubi-tuner paired every image with its reference
     (cache,) = (tmp_path / "cache" / "musubi").glob("tiny-*/cache-*")

@@ -153,11 +153,34 @@ def test_the_doctor_tells_a_flux2_file_from_a_flux1_one(tmp_path):
     assert row.status == FAIL and "must be FLUX.2's text encoder" in row.evidence
 
 
-def test_sample_prompts_are_taken_on_flux2_and_refused_in_one_line_on_kontext(compose, kontext_set):
-    """musubi-tuner renders FLUX.2 samples from the prompts file; a Kontext sample edits a reference image given
-    with each prompt, which flux-train does not take yet: one line, not a silently different sample."""
-    prompts = ["sample.prompts=[a red square]", "sample.every_n_steps=100"]
+def test_sample_prompts_on_flux2_and_kontext_and_what_kontexts_references_must_be(compose, kontext_set, workdir):
+    """musubi-tuner renders FLUX.2 samples from the prompts file; a Kontext sample edits a reference image: one for
+    every prompt or one per prompt, each an image that opens (checked before anything is made: a bad one would stop
+    the run at its first sample); another model given references is told they do nothing there."""
+    from PIL import Image
+
+    prompts = ["sample.prompts=[a red square,a cat]", "sample.every_n_steps=100"]
     validate(compose("+dataset=mychar", "model=random_flux2_klein_tiny", *prompts))  # no ConfigError
-    kontext = problems_of(compose("+dataset=edits", "model=random_kontext_tiny", *prompts))
-    (line,) = [p for p in kontext if p.startswith("sample.prompts")]
-    assert "reference image" in line and "leave sample.prompts empty" in line and "\n" not in line
+    ref = workdir / "ref.png"
+    Image.new("RGB", (32, 32)).save(ref)
+    (workdir / "broken.png").write_bytes(b"\x89PNG not really")
+    (workdir / "notes.txt").write_text("x")
+    kontext = ("+dataset=edits", "model=random_kontext_tiny", *prompts)
+    validate(compose(*kontext, f"sample.references=[{ref}]"))
+    validate(compose(*kontext, f"sample.references=[{ref},{ref}]"))
+    cases = {
+        "": "add sample.references=[/path/to/reference.png]",
+        f"{ref},{ref},{ref}": "3 images for 2 prompts; give one for every prompt or one per prompt",
+        f"{workdir / 'missing.png'}": "missing.png is not a file",
+        f"{workdir / 'notes.txt'}": "notes.txt is not an image",
+        f"{workdir / 'broken.png'}": "broken.png does not open as an image",
+    }
+    for refs, needle in cases.items():
+        extra = [f"sample.references=[{refs}]"] if refs else []
+        problems = problems_of(compose(*kontext, *extra))
+        (line,) = [p for p in problems if p.startswith("sample.")]
+        assert needle in line and "\n" not in line, (refs, line)
+    problems = problems_of(compose("+dataset=mychar", "model=random_flux2_klein_tiny", *prompts,
+                                   f"sample.references=[{ref}]"))  # fmt: skip
+    (line,) = [p for p in problems if p.startswith("sample.references")]
+    assert "only Kontext edits a reference image; remove sample.references" in line

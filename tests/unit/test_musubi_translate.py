@@ -152,3 +152,12 @@ def test_the_prompts_file_is_the_format_both_trainers_read(flux2):
         prompts_text(cfg)
         == "a red square --w 768 --h 1024 --s 20 --g 3.5 --d 7\na cat --w 768 --h 1024 --s 20 --g 3.5 --d 7\n"
     )
+
+
+def test_a_kontext_prompts_line_names_its_reference(compose):
+    from flux_trainer.backend.samples import prompts_text
+
+    cfg = compose("+dataset=mychar", "model=flux_kontext", "sample.prompts=[a,b]", "sample.references=[/r/one.png]")
+    assert [line.rsplit(" --ci ", 1)[1] for line in prompts_text(cfg).splitlines()] == ["/r/one.png", "/r/one.png"]
+    cfg.sample.references = ["/r/1.png", "/r/2.png"]
+    assert prompts_text(cfg).endswith("--d 42 --ci /r/1.png\nb --w 1024 --h 1024 --s 20 --g 3.5 --d 42 --ci /r/2.png\n")
