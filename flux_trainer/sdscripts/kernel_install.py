@@ -20,7 +20,7 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
     from flux_kernels.runtime.errors import KernelError
     from flux_trainer.config.paths import cache_root
 
-    selection = registry.select(kernels.get("set", "auto"), device)
+    selection = registry.select(kernels.get("set", "auto"), device, model=unet)
     options = {
         "attention": {"cache_path": cache_root() / "kernels" / "attention_probe.json"},
         "fp8_matmul": {"keep_transposed": bool(kernels.get("fp8_keep_transposed"))},

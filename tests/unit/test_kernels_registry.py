@@ -281,3 +281,31 @@ def test_real_kernels_auto_on_cpu_via_interpreter(monkeypatch):
     triton_kernels = ["qk_norm_rope", "modulate", "gated_residual", "gated_modulate"]
     sel = select(triton_kernels, "cpu")  # named: each probed against its reference through the interpreter
     assert sel.installed == tuple(triton_kernels) and sel.explicit
+
+
+def test_a_kernel_auto_would_skip_on_this_model_is_not_probed():
+    """A static auto_if (Chroma's blocks, selective checkpointing with block swap) is asked before the probe when
+    select gets the model: auto skips it with the reason and spends nothing probing it; named, it is probed as
+    before (apply_kernels then says why it cannot go in), and without the model nothing changes."""
+    probed = []
+
+    def check(device):
+        probed.append(device)
+        return True, "checked"
+
+    def no_chroma(model):
+        return (False, "no Chroma blocks") if model == "flux" else (True, "Chroma blocks")
+
+    gated = dataclasses.replace(GOOD, name="gated", check=check, auto_if=no_chroma, auto_if_static=True)
+    reg = {"good": GOOD, "gated": gated}
+    sel = select("auto", "cpu", registry=reg, model="flux")
+    assert sel.installed == ("good",) and sel.skipped == {"gated": "no Chroma blocks"} and probed == []
+    assert select("auto", "cpu", registry=reg, model="chroma").installed == ("good", "gated") and len(probed) == 1
+    assert select("auto,gated", "cpu", registry=reg, model="flux").installed == ("good", "gated")  # named: probed
+    assert select("auto", "cpu", registry=reg).installed == ("good", "gated") and len(probed) == 3  # no model
+    dynamic = dataclasses.replace(gated, auto_if_static=False)  # reads what earlier kernels left: judged later
+    assert select("auto", "cpu", registry={"gated": dynamic}, model="flux").installed == ("gated",)
+
+
+def test_the_static_conditions_are_chroma_blocks_and_selective_checkpoint():
+    assert {n for n, s in REGISTRY.items() if s.auto_if_static} == {"chroma_blocks", "selective_checkpoint"}
