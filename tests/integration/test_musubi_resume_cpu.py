@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from flux_trainer.config import ConfigError
-from flux_trainer.metrics.tensorboard import read_scalars
 from flux_trainer.musubi.checkout import locate
-from tests.integration.tiny_run import CHECKOUT, cli, fresh_env, tiny_dataset
+from tests.integration.tiny_run import (
+    CHECKOUT,
+    cli,
+    fresh_env,
+    interrupted_run,
+    run_scalars,
+    state_step,
+    tiny_dataset,
+)
 
 pytestmark = [pytest.mark.musubi, pytest.mark.sd_scripts]
 try:
@@ -33,19 +38,8 @@ except ConfigError as exc:  # pragma: no cover - depends on the machine
 STEPS = 10  # 4 batches an epoch: the stop lands in the second epoch (after step 4), the run ends in the third
 
 
-def state_step(path: Path) -> int:
-    return int(re.fullmatch(r"tiny-step(\d{8})-state", path.name).group(1))
-
-
 def runs_of(work: Path) -> list[Path]:
     return sorted(p for p in (work / "runs" / "tiny").iterdir() if p.is_dir())
-
-
-def scalars(run_dir: Path, tag: str) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for events in {p.parent for p in (run_dir / "tb").rglob("events.out.tfevents.*")}:
-        out.update(dict(read_scalars(events).get(tag, [])))
-    return out
 
 
 class Work:
@@ -65,20 +59,7 @@ class Work:
 
     def interrupted(self, after: int, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
         """Run, and press Ctrl-C (SIGINT to flux-train) once a state of a step after `after` exists."""
-        proc = subprocess.Popen(self.command(*extra), cwd=self.root, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            if [p for p in self.root.glob("runs/tiny/*/tiny-step*-state") if state_step(p) > after]:
-                proc.send_signal(signal.SIGINT)
-                break
-            time.sleep(0.2)
-        try:
-            out, err = proc.communicate(timeout=600)
-        except BaseException:
-            proc.kill()
-            raise
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), runs_of(self.root)[-1]
+        return interrupted_run(self.command(*extra), self.root, self.env, after), runs_of(self.root)[-1]
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +79,13 @@ def works(tmp_path_factory):
 
 def test_a_stopped_klein_run_resumed_with_auto_trains_what_one_run_trains(works):
     whole, stopped = works
-    want = scalars(runs_of(whole.root)[-1], "loss/current")
+    want = run_scalars(runs_of(whole.root)[-1], "loss/current")
     assert sorted(want) == list(range(1, STEPS + 1))
 
     first, run1 = stopped.interrupted(after=4)
     said = first.stdout + first.stderr
     assert first.returncode == 130, said[-3000:]
-    k = max(scalars(run1, "loss/current"))
+    k = max(run_scalars(run1, "loss/current"))
     assert f"interrupted at step {k} (SIGINT)" in said and "Traceback" not in said
     assert 4 < k < STEPS and (run1 / f"tiny-step{k:08d}-state").is_dir()  # the step in progress finished, was saved
 
@@ -114,7 +95,7 @@ def test_a_stopped_klein_run_resumed_with_auto_trains_what_one_run_trains(works)
     run2 = runs_of(stopped.root)[-1]
     assert run2 != run1
     assert f'resume = "{run1 / f"tiny-step{k:08d}-state"}"' in (run2 / "musubi_tuner.toml").read_text()
-    got2 = scalars(run2, "loss/current")
+    got2 = run_scalars(run2, "loss/current")
     assert sorted(got2) == list(range(k + 1, STEPS + 1))  # TensorBoard's steps continue; the run stops at N
 
     # states and LoRA files are named by the run's step; the final LoRA says N steps
@@ -126,7 +107,7 @@ def test_a_stopped_klein_run_resumed_with_auto_trains_what_one_run_trains(works)
     assert meta["ss_steps"] == str(STEPS) and meta["ss_max_train_steps"] == str(STEPS) and meta["ss_epoch"] == "3"
 
     # the same steps as the run never stopped: the batch order and the random draws replayed
-    got = {**scalars(run1, "loss/current"), **got2}
+    got = {**run_scalars(run1, "loss/current"), **got2}
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-6 * abs(loss), (step, got[step], loss)
 

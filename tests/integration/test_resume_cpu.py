@@ -11,35 +11,18 @@ larger difference is a step, a batch or a random draw out of place.
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.tiny_run import CHECKOUT, WHY
+from tests.integration.tiny_run import CHECKOUT, WHY, interrupted_run, run_scalars, state_step
 
 pytestmark = pytest.mark.sd_scripts
 
 STEPS = 16
-
-
-def state_step(path: Path) -> int:
-    """The step in a state folder's name: tiny-step00000005-state -> 5."""
-    return int(re.fullmatch(r"tiny-step(\d{8})-state", path.name).group(1))
-
-
-def scalars(run_dir: Path, tag: str) -> dict[int, float]:
-    from flux_trainer.metrics.tensorboard import read_scalars
-
-    out: dict[int, float] = {}
-    for events in {p.parent for p in (run_dir / "tb").rglob("events.out.tfevents.*")}:
-        out.update(dict(read_scalars(events).get(tag, [])))
-    return out
 
 
 class Work:
@@ -65,22 +48,7 @@ class Work:
 
     def interrupted(self, after: int, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
         """Run, and press Ctrl-C (SIGINT to flux-train) once a state of a step after `after` exists."""
-        proc = subprocess.Popen(self.command(*extra), cwd=self.root, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:  # the test fails (and kills it) on a timeout
-            states = [p for p in self.root.glob("runs/tiny/*/tiny-step*-state") if state_step(p) > after]
-            if states:
-                proc.send_signal(signal.SIGINT)
-                break
-            time.sleep(0.2)
-        try:
-            out, err = proc.communicate(timeout=600)
-        except BaseException:
-            proc.kill()
-            raise
-        runs = sorted(p for p in (self.root / "runs" / "tiny").iterdir() if p.is_dir())
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), runs[-1]
+        return interrupted_run(self.command(*extra), self.root, self.env, after), self.newest_run()
 
     def newest_run(self) -> Path:
         return sorted(p for p in (self.root / "runs" / "tiny").iterdir() if p.is_dir())[-1]
@@ -108,12 +76,12 @@ def runs(tmp_path_factory):
 def test_stopped_twice_and_resumed_twice_trains_what_one_run_trains(runs):
     whole, stopped, images = runs
     before = sorted(p.name for p in images.iterdir())
-    want = scalars(whole.newest_run(), "loss/current")
+    want = run_scalars(whole.newest_run(), "loss/current")
     assert sorted(want) == list(range(1, STEPS + 1))
 
     first, run1 = stopped.interrupted(after=0)
     assert first.returncode == 130, first.stdout[-3000:] + first.stderr[-3000:]
-    k1 = max(scalars(run1, "loss/current"))
+    k1 = max(run_scalars(run1, "loss/current"))
     said = first.stdout + first.stderr
     assert f"interrupted at step {k1} (SIGINT)" in said and "Traceback" not in said
     assert (run1 / f"tiny-step{k1:08d}-state").is_dir()  # the step in progress finished and was saved
@@ -121,7 +89,7 @@ def test_stopped_twice_and_resumed_twice_trains_what_one_run_trains(runs):
     second, run2 = stopped.interrupted(k1, "resume=auto")
     assert second.returncode == 130, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"continuing 'tiny' from step {k1}" in second.stdout
-    got2 = scalars(run2, "loss/current")
+    got2 = run_scalars(run2, "loss/current")
     k2 = max(got2)
     assert sorted(got2) == list(range(k1 + 1, k2 + 1)) and k2 < STEPS
 
@@ -129,14 +97,14 @@ def test_stopped_twice_and_resumed_twice_trains_what_one_run_trains(runs):
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert f"continuing 'tiny' from step {k2}" in third.stdout
     run3 = stopped.newest_run()
-    got3 = scalars(run3, "loss/current")
+    got3 = run_scalars(run3, "loss/current")
     assert sorted(got3) == list(range(k2 + 1, STEPS + 1))  # stops at N, TensorBoard steps continue
 
-    got = {**scalars(run1, "loss/current"), **got2, **got3}
+    got = {**run_scalars(run1, "loss/current"), **got2, **got3}
     assert sorted(got) == sorted(want)
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-6 * abs(loss), (step, got[step], loss)
-    lr_want, lr_got = scalars(whole.newest_run(), "lr/d*lr/unet"), scalars(run3, "lr/d*lr/unet")
+    lr_want, lr_got = run_scalars(whole.newest_run(), "lr/d*lr/unet"), run_scalars(run3, "lr/d*lr/unet")
     assert all(abs(lr_got[s] - lr_want[s]) <= 1e-6 * abs(lr_want[s]) for s in lr_got)  # Prodigy's d continues
 
     # states are named by the run's step and say it; the final LoRA is the uninterrupted run's

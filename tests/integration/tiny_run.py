@@ -69,3 +69,41 @@ def flux_train(work: Path, *args: str, env: dict[str, str] | None = None) -> sub
 def newest_run(work: Path, name: str = "tiny") -> Path | None:
     runs = sorted((work / "runs" / name).glob("*"))
     return runs[-1] if runs else None
+
+
+def state_step(path: Path) -> int:
+    """The step in a state folder's name: tiny-step00000005-state -> 5."""
+    import re
+
+    return int(re.fullmatch(r"tiny-step(\d{8})-state", path.name).group(1))
+
+
+def run_scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    """step -> value of `tag` across the run dir's TensorBoard events."""
+    from flux_trainer.metrics.tensorboard import read_scalars
+
+    out: dict[int, float] = {}
+    for events in {p.parent for p in (run_dir / "tb").rglob("events.out.tfevents.*")}:
+        out.update(dict(read_scalars(events).get(tag, [])))
+    return out
+
+
+def interrupted_run(command: list[str], root: Path, env: dict[str, str], after: int) -> subprocess.CompletedProcess:
+    """Run `command` in `root` and press Ctrl-C (SIGINT to flux-train) once a state of a step after `after` exists;
+    the test fails (and kills it) on a timeout."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if [p for p in root.glob("runs/tiny/*/tiny-step*-state") if state_step(p) > after]:
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.2)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except BaseException:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
