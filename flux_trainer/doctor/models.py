@@ -85,7 +85,7 @@ class ModelFile:
 
     kind: str  # flux | ae | clip_l | t5xxl | unknown
     layout: str  # bfl | diffusers | transformers | sd_vae | prefixed | bundle | ...
-    variant: str  # flux: dev | schnell | chroma | flux2
+    variant: str  # flux: dev | schnell | chroma | flux2; ae: flux1 (16 latent channels) | flux2 (32) | "" (other)
     dtype: str  # of the main weights: bf16 | fp16 | fp32 | fp8_e4m3fn | fp8_e5m2
     dtypes: dict[str, int]  # dtype -> number of tensors
     tensors: int
@@ -98,7 +98,10 @@ class ModelFile:
     def describe(self) -> str:
         name = {
             "flux": f"FLUX.1-{self.variant}" if self.variant in ("dev", "schnell") else f"FLUX ({self.variant})",
-            "ae": "FLUX autoencoder",
+            "ae": {
+                "flux1": "FLUX.1 autoencoder (16 latent channels)",
+                "flux2": "FLUX.2 autoencoder (32 latent channels)",
+            }.get(self.variant, "FLUX autoencoder"),
             "clip_l": "CLIP text encoder",
             "t5xxl": "T5 encoder",
             "text_encoder": "decoder-only text encoder (Qwen3 / Mistral 3)",
@@ -124,13 +127,24 @@ def _dtype_name(dtype: object) -> str:
     return _DTYPES.get(str(dtype), str(dtype).lower())
 
 
+_AE_VARIANTS = {16: "flux1", 32: "flux2"}  # latent channels: FLUX.1's (Kontext's, Chroma's) AE and FLUX.2's
+
+
+def _latent_channels(header: Header) -> int | None:
+    """The autoencoder's latent channels: what its decoder's first convolution takes (a shape, read from the header;
+    the one thing that tells FLUX.2's AE from FLUX.1's, whose key names are the same)."""
+    shape = header.tensors.get("decoder.conv_in.weight", {}).get("shape")
+    return int(shape[1]) if isinstance(shape, list) and len(shape) == 4 else None
+
+
 def _prefix_problem(key: str, marker: str) -> str:
     prefix = key[: key.index(marker)]
     return f"keys carry the prefix '{prefix}' (a bundle's copy): sd-scripts would load none of them"
 
 
 def classify(header: Header) -> ModelFile:
-    """Kind, layout, variant and dtype from key names and dtypes alone (never from sizes)."""
+    """Kind, layout, variant and dtype from key names and dtypes (never from sizes; the AE's variant from its latent
+    channels, one shape in the header)."""
     keys = sorted(header.tensors)
     dtypes: dict[str, int] = {}
     for v in header.tensors.values():
@@ -186,7 +200,7 @@ def classify(header: Header) -> ModelFile:
                 "the Diffusers layout of the AE: sd-scripts loads BFL key names (strict=False), nothing would load"
             )
             return make("ae", "diffusers", problem=problem)
-        return make("ae", "bfl")
+        return make("ae", "bfl", _AE_VARIANTS.get(_latent_channels(header), ""))
     clip = [k for k in keys if "text_model.encoder.layers." in k]
     if clip:
         layers = _count([k[k.index("text_model.") :] for k in clip], r"text_model\.encoder\.layers\.(\d+)\.")
@@ -281,15 +295,6 @@ def model_part_check(
         return CheckResult(
             check, FAIL, f"{evidence}: {info.problem}", f"use the standard file: {fix_path}", GROUP, data
         )
-    if info.random and not model_name.startswith("random"):
-        return CheckResult(
-            check,
-            WARN,
-            f"{evidence}: model={model_name} names random weights",
-            f"point model.{part} at the real file ({fix_path})",
-            GROUP,
-            data,
-        )
     if part == "flux" and (info.variant == "flux2") != (model_type == "flux2"):
         if info.variant == "flux2":
             say, fix = f"a FLUX.2 checkpoint, but model={model_name} trains another model", "use a model=flux2_* preset"
@@ -298,6 +303,13 @@ def model_part_check(
             say = f"a FLUX.1 {info.variant} checkpoint, but model={model_name} trains FLUX.2"
             fix = f"set model.flux to the FLUX.2 file, or use model={other}"
         return CheckResult(check, FAIL, f"{evidence}: {say}", fix, GROUP, data)
+    if part == "ae" and info.variant and (info.variant == "flux2") != (model_type == "flux2"):
+        want = "FLUX.2's (32 latent channels)" if model_type == "flux2" else "FLUX.1's (16 latent channels)"
+        fix = "FLUX.2-dev's ae.safetensors" if model_type == "flux2" else "FLUX.1's ae.safetensors"
+        return CheckResult(
+            check, FAIL, f"{evidence}: model={model_name} encodes its images with {want} autoencoder",
+            f"set model.ae to {fix}", GROUP, data,
+        )  # fmt: skip
     if part == "flux" and model_type != "flux2":
         if (info.variant == "chroma") != (model_type == "chroma"):
             if info.variant == "chroma":
@@ -345,6 +357,16 @@ def model_part_check(
             WARN,
             f"{evidence}: CLIP-L has 12 layers; this looks like CLIP-G/bigG (SDXL)",
             "use clip_l.safetensors (comfyanonymous/flux_text_encoders)",
+            GROUP,
+            data,
+        )
+    # random weights under a real preset's name: a warning, after everything that fails whatever the weights
+    if info.random and not model_name.startswith("random"):
+        return CheckResult(
+            check,
+            WARN,
+            f"{evidence}: model={model_name} names random weights",
+            f"point model.{part} at the real file ({fix_path})",
             GROUP,
             data,
         )

@@ -279,3 +279,31 @@ def test_model_checks_of_chroma_skip_clip_l(compose, write):
     rows = doctor_models.model_checks(compose("model=chroma", *(f"model.{p}={v}" for p, v in paths.items())))
     assert [r.check for r in rows] == ["model: flux", "model: ae", "model: t5xxl"]
     assert all(r.status == "pass" for r in rows), [r.evidence for r in rows]
+
+
+def ae_with_latents(channels):
+    return {**ae_bfl(BF16), "decoder.conv_in.weight": t(BF16, 4, channels, 3, 3)}
+
+
+@pytest.mark.parametrize(
+    ("channels", "model_type", "status", "needle"),
+    [
+        (16, "flux", "pass", "FLUX.1 autoencoder (16 latent channels)"),
+        (32, "flux2", "pass", "FLUX.2 autoencoder (32 latent channels)"),
+        (16, "flux2", "fail", "encodes its images with FLUX.2's (32 latent channels) autoencoder"),
+        (32, "flux", "fail", "encodes its images with FLUX.1's (16 latent channels) autoencoder"),
+        (32, "kontext", "fail", "FLUX.1's (16 latent channels)"),
+        (32, "chroma", "fail", "FLUX.1's (16 latent channels)"),
+    ],
+)
+def test_an_autoencoder_of_the_other_flux_is_refused_before_it_would_fail_at_caching(
+    write, channels, model_type, status, needle
+):
+    """FLUX.1's and FLUX.2's autoencoders have the same key names; their latent channels (16 / 32) tell them apart.
+    The wrong one would load and then fail at the latent caching, minutes in: the doctor (and so the run's
+    preflight) refuses it first."""
+    path = write("ae", ae_with_latents(channels))
+    row = model_part_check("ae", path, model_name=f"my_{model_type}", model_type=model_type)
+    assert row.status == status and needle in row.evidence, row
+    if status == "fail":
+        assert row.fix.startswith("set model.ae to FLUX.")
