@@ -229,7 +229,8 @@ def test_a_resumed_run_trains_the_steps_the_run_would_have(tmp_path, at):
     state = tmp_path / f"s{at}"
     assert (state / rng_state.STATE_FILE).is_file() and state_problem(state) is None
     c, acc, loader = ours(tmp_path, resume=state)
-    assert loader.dataset.epochs == [at // 6]  # sd-scripts' bucket shuffles replayed to that epoch
+    # sd-scripts' bucket shuffles replayed to that epoch: inside one, its own shuffle too (the stopped run had it)
+    assert loader.dataset.epochs == [at // 6 + (1 if at % 6 else 0)]
     assert train(tmp_path, 15, c, acc, loader, start=at) == whole[at:]
 
 
@@ -249,7 +250,7 @@ def test_a_state_without_the_record_still_resumes_at_its_position(tmp_path):
     state.mkdir()
     (state / "train_state.json").write_text(json.dumps({"current_epoch": 3, "current_step": 15}))
     c, acc, loader = ours(tmp_path, resume=state)
-    assert loader.skip_batches == 3 and loader.dataset.epochs == [2]
+    assert loader.skip_batches == 3 and loader.dataset.epochs == [3]  # inside the third epoch: its shuffle too
     args = types.SimpleNamespace(max_train_steps=40)
     c.step_start(args)
     assert args.max_train_steps == 40 - 15  # sd-scripts counts from 0
@@ -315,3 +316,32 @@ def test_building_the_caches_draws_nothing_the_run_keeps(tmp_path):
     torch.randn(16), random.random(), np.random.rand()  # the caches being built
     h.caches_ready(types.SimpleNamespace(seed=42))
     assert (torch.rand(4).tolist(), random.random(), np.random.rand()) == reused
+
+
+class Shuffling:
+    """sd-scripts' dataset at an epoch change: `set_current_epoch` shuffles once per epoch passed, re-seeding Python's
+    generator (`random.seed(seed + epoch)`, train_util.BaseDataset.shuffle_buckets)."""
+
+    def __init__(self):
+        self.current, self.shuffles = 0, 0
+
+    def set_current_epoch(self, epoch):
+        while self.current < epoch:
+            self.current += 1
+            random.seed(42 + self.current)
+            self.shuffles += 1
+
+
+@pytest.mark.parametrize(("epoch", "skip", "want"), [(1, 5, 2), (1, 0, 1), (0, 3, 1), (2, 0, 2)])
+def test_a_resume_inside_an_epoch_replays_that_epochs_shuffle_too_with_the_generators_untouched(epoch, skip, want):
+    """Stopped inside an epoch, the run had that epoch's shuffle (at its first fetch) before its save: the resumed
+    run replays it as well, so its first fetch does not shuffle (and re-seed Python's generator) again; at an epoch's
+    end the next epoch's first fetch shuffles, as in the run never stopped. Either way nothing the run draws moves."""
+    c = cont.Continuation(None, 42, "tiny")
+    c.loader = types.SimpleNamespace(dataset=Shuffling())
+    random.seed(7)
+    torch.manual_seed(7)
+    before = (random.getstate(), torch.get_rng_state())
+    c.data_epoch(epoch, skip)
+    assert c.loader.dataset.current == want and c.loader.dataset.shuffles == want
+    assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
