@@ -72,7 +72,6 @@ class _Reading:
 
     def __init__(self, work: Callable[[], str]) -> None:
         self.digest: str | None = None
-        self.began = time.perf_counter()
 
         def run() -> None:
             try:
