@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, type=Path)
     ns = ap.parse_args(argv)
     from flux_kernels.runtime.errors import KernelError
-    from flux_trainer.sdscripts.continuation import EXIT_DISK_FULL, DiskFull, Interrupted
+    from flux_trainer.sdscripts.continuation import DiskFull, Interrupted, stopped
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = RunnerSpec.read(ns.run_dir)
@@ -243,16 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     except KernelError as exc:
         code, reason = 2, f"kernels: {exc}"  # a kernel the user named cannot run here
         log.error("%s", reason)
-    except Interrupted as exc:  # a stop request, honoured after a whole step: no traceback
-        code, reason = 130, str(exc)
-        log.warning("%s", reason)
-    except KeyboardInterrupt as exc:  # while caching, before training started, or asked twice
-        code, reason = 130, f"interrupted ({exc or 'SIGINT'}) before a step could finish; resume=auto continues from "
-        reason += "the last state saved"
-        log.warning("%s", reason)
-    except DiskFull as exc:
-        code, reason = EXIT_DISK_FULL, str(exc)
-        log.error("%s", reason)
+    except (Interrupted, KeyboardInterrupt, DiskFull) as exc:  # a stop request, an interrupt, a full disk
+        code, reason = stopped(exc, log)
     finally:
         if _is_main_process():
             try:

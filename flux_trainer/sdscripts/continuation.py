@@ -51,6 +51,22 @@ class DiskFull(RuntimeError):
     """A save ran out of disk space: the message names the path, the free space and what to do."""
 
 
+def stopped(exc: BaseException, log: logging.Logger) -> tuple[int, str]:
+    """(exit code, one-line reason) of a training process that ended on a stop request (`Interrupted`: after a whole
+    step, a state saved), an interrupt before a step could finish (KeyboardInterrupt) or a full disk (`DiskFull`);
+    logged. Both trainers' runners end this way."""
+    if isinstance(exc, DiskFull):
+        log.error("%s", exc)
+        return EXIT_DISK_FULL, str(exc)
+    if isinstance(exc, Interrupted):  # no traceback
+        reason = str(exc)
+    else:
+        reason = f"interrupted ({exc or 'SIGINT'}) before a step could finish; resume=auto continues from the last "
+        reason += "state saved"
+    log.warning("%s", reason)
+    return 130, reason
+
+
 class Interrupted(RuntimeError):
     """A stop request was honoured at a step boundary; `step` is the last whole step (its state saved)."""
 

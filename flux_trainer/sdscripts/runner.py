@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_vram_cap(os.environ.get(VRAM_CAP_ENV))
     from flux_kernels.runtime.errors import KernelError
     from flux_trainer.metrics.startup import StartupClock
-    from flux_trainer.sdscripts.continuation import EXIT_DISK_FULL, DiskFull, Interrupted
+    from flux_trainer.sdscripts.continuation import DiskFull, Interrupted, stopped
     from flux_trainer.sdscripts.hooks import NonFiniteLoss
 
     startup = StartupClock.from_env()
@@ -261,16 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as exc:
         code, reason = EXIT_NONFINITE_LOSS, str(exc)
         log.error("stopped: %s", exc)
-    except Interrupted as exc:  # a stop request, honoured after a whole step: no traceback
-        code, reason = 130, str(exc)
-        log.warning("%s", reason)
-    except KeyboardInterrupt as exc:  # before training started, or asked twice
-        code, reason = 130, f"interrupted ({exc or 'SIGINT'}) before a step could finish; resume=auto continues from "
-        reason += "the last state saved"
-        log.warning("%s", reason)
-    except DiskFull as exc:
-        code, reason = EXIT_DISK_FULL, str(exc)
-        log.error("%s", reason)
+    except (Interrupted, KeyboardInterrupt, DiskFull) as exc:  # a stop request, an interrupt, a full disk
+        code, reason = stopped(exc, log)
     finally:
         if _is_main_process():
             try:  # never raised over the failure that ended training (a full disk fails both)

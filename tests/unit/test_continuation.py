@@ -345,3 +345,17 @@ def test_a_resume_inside_an_epoch_replays_that_epochs_shuffle_too_with_the_gener
     c.data_epoch(epoch, skip)
     assert c.loader.dataset.current == want and c.loader.dataset.shuffles == want
     assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+
+
+def test_how_a_stopped_training_process_ends_is_one_code_and_line_for_both_runners(caplog):
+    """A stop request after a whole step, an interrupt before one could finish, a full disk: each runner's main()
+    exits with this code and writes this line into its exit record (flux_trainer.backend.exit_record)."""
+    import logging
+
+    log = logging.getLogger("test")
+    with caplog.at_level("WARNING", logger="test"):
+        assert cont.stopped(cont.Interrupted(7, "SIGINT", "/s"), log) == (130, str(cont.Interrupted(7, "SIGINT", "/s")))
+        code, reason = cont.stopped(KeyboardInterrupt("SIGTERM"), log)
+        assert code == 130 and reason.startswith("interrupted (SIGTERM) before a step could finish; resume=auto")
+        assert cont.stopped(cont.DiskFull("disk full while saving /x"), log) == (4, "disk full while saving /x")
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING", "ERROR"]
