@@ -164,11 +164,14 @@ def kernel_request(cfg: DictConfig):
 
 def run_shape(cfg: DictConfig, gpu: bool = True) -> policy.RunShape:
     mem = cfg.memory
+    request = kernel_request(cfg)
     return policy.RunShape(
         gpu=gpu,
-        compiles_blocks=kernel_request(cfg).wants("compile_blocks", in_auto=True),
+        compiles_blocks=request.wants("compile_blocks", in_auto=True),
         gradient_checkpointing=bool(mem.gradient_checkpointing),
         weights_move=bool(mem.blocks_to_swap or mem.cpu_offload_checkpointing),
+        swap_in_place=bool(mem.blocks_to_swap) and request.wants("block_swap", in_auto=True),
+        offloads_checkpoints=bool(mem.cpu_offload_checkpointing),
         gradient_accumulation_steps=int(cfg.train.gradient_accumulation_steps),
         graphs_fit=bool(mem.get("cuda_graphs", False)),
         varying_text=str(cfg.model.get("model_type", "flux")) == "chroma",
@@ -201,8 +204,10 @@ def cuda_graphs_decision(cfg: DictConfig, gpu: bool = True) -> bool:
         reasons = {
             policy.NO_GPU: "no CUDA GPU",
             policy.NO_COMPILED_BLOCKS: f"{what} compiles no blocks to replay",
-            policy.WEIGHTS_MOVE: "memory.blocks_to_swap / memory.cpu_offload_checkpointing move what the graphs "
-            "read between CPU and GPU",
+            policy.WEIGHTS_MOVE: "memory.cpu_offload_checkpointing moves what the graphs read between CPU and GPU"
+            if cfg.memory.cpu_offload_checkpointing
+            else "memory.blocks_to_swap without the block_swap kernel: sd-scripts' own swap moves the weights the "
+            "graphs read",
             policy.ACCUMULATION: "train.gradient_accumulation_steps > 1: a replay would overwrite the gradients "
             "being summed",
         }

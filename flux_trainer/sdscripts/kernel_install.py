@@ -26,8 +26,11 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
         "fp8_matmul": {"keep_transposed": bool(kernels.get("fp8_keep_transposed"))},
     }
     graphs = bool(kernels.get("cuda_graphs")) and "compile_blocks" in selection.installed
-    if kernels.get("cuda_graphs") and not graphs:
-        why = f"compile_blocks is not installed here ({selection.skipped.get('compile_blocks', 'not selected')})"
+    moved = _swap_moves_weights(unet, selection)
+    if kernels.get("cuda_graphs") and (not graphs or moved):
+        compiled = selection.skipped.get("compile_blocks", "not selected")
+        why = moved or f"compile_blocks is not installed here ({compiled})"
+        graphs = False
         if kernels.get("cuda_graphs_asked"):
             raise KernelError(f"kernels.cuda_graphs=true replays the compiled blocks, but {why}")
         log.info("cuda graphs skipped: %s", why)
@@ -41,8 +44,21 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
     installed = patch.apply_kernels(unet, selection, options=options, seconds=seconds)
     log.info("kernels: probes %s; installing %s", selection.probe_time(), registry.seconds_by_name(seconds))
     if graphs and "compile_blocks" in installed:
+        if getattr(unet, "blocks_to_swap", None) and "block_swap" not in installed:
+            raise KernelError("kernels.cuda_graphs: the graphs were recorded over swapped blocks, but block_swap did "
+                              "not install: sd-scripts' own swap moves the weights they read")  # fmt: skip
         installed.append("cuda_graphs")
     return installed
+
+
+def _swap_moves_weights(unet: Any, selection: Any) -> str | None:
+    """Why CUDA graphs cannot replay this model's blocks because of block swap, or None. A graph reads each weight at
+    the address it was recorded with: flux_kernels' block_swap copies a swapped block into the same card buffers at
+    every use, sd-scripts' own swap (where block_swap is not installed) moves the tensors."""
+    if not getattr(unet, "blocks_to_swap", None) or "block_swap" in selection.installed:
+        return None
+    why = selection.skipped.get("block_swap", "not selected")
+    return f"the model swaps blocks without the block_swap kernel ({why}): sd-scripts' swap moves the weights"
 
 
 def install_optimizer_kernels(optimizer: Any, kernels: dict[str, Any]) -> list[str]:

@@ -255,7 +255,14 @@ class BlockSwapOffloader:
     def prepare_block_devices_before_forward(self, blocks) -> None:
         """The start of a forward: the first N - S blocks on the card, the others on the host, everything that
         is not a swapped weight (biases, norm scales, buffers) on the card. Buffers freed by blocks that go to the
-        host are given to the blocks that come back; copies go on the compute stream, after everything before."""
+        host are given to the blocks that come back; copies go on the compute stream, after everything before.
+
+        Each move hands the outgoing block's buffers to the block `keep` = N - S places after it (forward) or before
+        it (backward), so block j always runs from the buffers block `j % keep` started with, as long as this
+        hands them back the same way: after a forward without backward (a sample, a validation step) the blocks on
+        the card are the last ones, and block i < keep gets the buffers of the block of its class (`j % keep == i`).
+        Fixed addresses per block are what lets CUDA graphs replay over swapped blocks (see
+        flux_kernels.runtime.policy); sd-scripts hands them back in reverse."""
         if not self.blocks_to_swap:
             return
         self._wait_all()
@@ -263,16 +270,17 @@ class BlockSwapOffloader:
         for b in self.blocks:  # what sd-scripts' block.to(device) moves, less the swapped weights
             b._apply(lambda t: t.data if id(t) in swapped else t.to(self.device))
         keep = self.num_blocks - self.blocks_to_swap
-        free = []
+        free: dict[int, list[list[Tensor]]] = {}  # buffer class (block index % keep) -> buffers given up
         for i in sorted(self.host):
             self._check_copies(i)
             if i >= keep and not self.on_host(i):
                 if self.on_device(i):
-                    free.append([m.weight.data for _, m in self.slots[i]])
+                    free.setdefault(i % keep, []).append([m.weight.data for _, m in self.slots[i]])
                 self._point(i, self.host[i])
         for i in sorted(self.host):
             if i < keep and not self.on_device(i):
-                bufs = free.pop() if free else [torch.empty_like(h, device=self.device) for h in self.host[i]]
+                mine = free.get(i) or next((v for v in free.values() if v), None)
+                bufs = mine.pop() if mine else [torch.empty_like(h, device=self.device) for h in self.host[i]]
                 for buf, h in zip(bufs, self.host[i], strict=True):
                     buf.copy_(h, non_blocking=self.cuda)
                 self._point(i, bufs)

@@ -17,7 +17,7 @@ SETTINGS = ("auto", "true", "false")
 # compiled blocks, weights that stay put and one backward per optimizer step.
 NO_GPU = "no_gpu"
 NO_COMPILED_BLOCKS = "no_compiled_blocks"
-WEIGHTS_MOVE = "weights_move"  # block swap or CPU-offloaded checkpointing
+WEIGHTS_MOVE = "weights_move"  # sd-scripts' own block swap, or CPU-offloaded checkpointing
 ACCUMULATION = "accumulation"  # gradient accumulation: a replay would overwrite the gradients being summed
 
 
@@ -28,13 +28,19 @@ class RunShape:
     gpu: bool
     compiles_blocks: bool  # the kernel request includes compile_blocks (kernels=auto does)
     gradient_checkpointing: bool
-    weights_move: bool
+    weights_move: bool  # block swap or CPU-offloaded checkpointing: frozen weights travel between CPU and GPU
     gradient_accumulation_steps: int = 1
     # the memory tier has room for the graphs' pool beside checkpointing (memory.cuda_graphs): `auto` replays there too
     graphs_fit: bool = False
     # the blocks' text length changes from batch to batch (Chroma: sd-scripts trims the text to each batch's longest
     # caption before the blocks): every new length would record new graphs, so `auto` does not replay there
     varying_text: bool = False
+    # the swap is flux_kernels' block_swap (requested; installed where sd-scripts' own would run), which copies each
+    # swapped block into the same card buffers at every use (a block always runs from the buffers of the block `keep`
+    # places before it), so a graph recorded over a swapped block reads the right weights at every replay; sd-scripts'
+    # own swap moves the tensors themselves. CPU-offloaded checkpointing still blocks the graphs.
+    swap_in_place: bool = False
+    offloads_checkpoints: bool = False
 
     @property
     def trades_memory(self) -> bool:
@@ -61,7 +67,7 @@ def cuda_graph_blockers(shape: RunShape) -> list[str]:
     blockers = [] if shape.gpu else [NO_GPU]
     if not shape.compiles_blocks:
         blockers.append(NO_COMPILED_BLOCKS)
-    if shape.weights_move:
+    if shape.weights_move and (shape.offloads_checkpoints or not shape.swap_in_place):
         blockers.append(WEIGHTS_MOVE)
     if shape.gradient_accumulation_steps > 1:
         blockers.append(ACCUMULATION)

@@ -21,7 +21,8 @@ from tests.conftest import undoing
         (["memory=vram80"], True, True),  # no checkpointing: memory is not traded for speed
         (["memory=vram48"], True, True),  # checkpointing tiers with room for the graphs' ~1.5 GiB (memory.cuda_graphs)
         (["memory=vram24"], True, True),
-        (["memory=vram16"], True, False),  # block swap: the weights the graphs would read move
+        (["memory=vram16"], True, False),  # the tier has no room for the graphs' pool (memory.cuda_graphs)
+        (["memory=vram16", "kernels.cuda_graphs=true"], True, True),  # block_swap: the same buffers at every use
         (["memory=vram48", "memory.fp8_base=false", "memory.cuda_graphs=false"], True, False),
         (["memory=vram80", "kernels=off"], True, False),
         (["memory=vram80", "kernels=fused"], True, False),  # no compile_blocks in that set
@@ -48,7 +49,8 @@ def test_decision(compose, overrides, gpu, want):
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
-        (["memory=vram16"], "blocks_to_swap"),
+        (["memory=vram16", "kernels.set='auto,-block_swap'"], "blocks_to_swap without the block_swap kernel"),
+        (["memory=vram24", "memory.cpu_offload_checkpointing=true"], "cpu_offload_checkpointing moves"),
         (["train.gradient_accumulation_steps=4"], "gradient_accumulation_steps"),
         (["kernels=off"], "kernels=off"),
         (["kernels.set='auto,-compile_blocks'"], "kernels.set=auto,-compile_blocks compiles no blocks"),
@@ -71,12 +73,13 @@ def test_the_offload_preset_is_auto_with_activation_offload_replayed_from_graphs
 
 
 def test_the_offload_preset_where_graphs_cannot_run_says_the_preset_asked_for_them(compose):
-    cfg = compose("+dataset=mychar", "memory=vram16", "kernels=offload")
+    offloaded = "memory.cpu_offload_checkpointing=true"
+    cfg = compose("+dataset=mychar", "memory=vram24", offloaded, "kernels=offload")
     with pytest.raises(ConfigError, match="kernels=offload sets it") as e:
         cuda_graphs_decision(cfg)
-    assert "blocks_to_swap" in str(e.value)
+    assert "cpu_offload_checkpointing" in str(e.value)
     without = "kernels.set='auto,-activation_offload'"
-    cfg = compose("+dataset=mychar", "memory=vram16", "kernels.cuda_graphs=true", without)
+    cfg = compose("+dataset=mychar", "memory=vram24", offloaded, "kernels.cuda_graphs=true", without)
     with pytest.raises(ConfigError) as e:
         cuda_graphs_decision(cfg)
     assert "kernels=offload" not in str(e.value)  # taken out, not asked for
@@ -276,3 +279,23 @@ def test_cache_bypass_reasons_come_from_torch_itself(tmp_path, monkeypatch, capl
     compile_report.report_compile_cache(reasons.reasons)
     assert "torch says: " in caplog.text and "inductor: Unsupported post grad custom pass (1x)" in caplog.text
     assert "TORCH_LOGS" not in caplog.text
+
+
+def test_graphs_over_swapped_blocks_need_block_swap_installed(monkeypatch, caplog):
+    """sd-scripts' own swap (block_swap not installed) moves the weights a graph reads: the graphs are left out with
+    a line under auto, an error where they were asked for; with block_swap they are installed."""
+    from types import SimpleNamespace
+
+    from flux_kernels.runtime.errors import KernelError
+
+    swapping = SimpleNamespace(blocks_to_swap=4)
+    fake_kernels(monkeypatch, ("compile_blocks", "block_swap"))
+    got = hooks_mod.install_kernels(swapping, {"set": "auto", "cuda_graphs": True}, "cuda")
+    assert got == ["compile_blocks", "block_swap", "cuda_graphs"]
+    seen = fake_kernels(monkeypatch, ("compile_blocks",), {"block_swap": "page-locked memory failed"})
+    with caplog.at_level(logging.INFO, logger="flux_trainer.runner"):
+        got = hooks_mod.install_kernels(swapping, {"set": "auto", "cuda_graphs": True}, "cuda")
+    assert got == ["compile_blocks"] and "compile_blocks" not in seen
+    assert "cuda graphs skipped: the model swaps blocks without the block_swap kernel (page-locked" in caplog.text
+    with pytest.raises(KernelError, match="sd-scripts' swap moves the weights"):
+        hooks_mod.install_kernels(swapping, {"set": "auto", "cuda_graphs": True, "cuda_graphs_asked": True}, "cuda")

@@ -53,14 +53,30 @@ def test_cuda_graphs_asked_where_they_cannot_run_names_every_reason_in_our_keys(
         "dry_run=true",
         "kernels.cuda_graphs=true",
         "memory=vram12",
+        "kernels.set='auto,-block_swap'",
         "train.gradient_accumulation_steps=2",
     )
     with pytest.raises(ConfigError) as refused:
         resolve(cfg, H200)
     problems = refused.value.problems
-    assert any("memory.blocks_to_swap" in p for p in problems), problems
+    assert any("memory.blocks_to_swap without the block_swap kernel" in p for p in problems), problems
     assert any("train.gradient_accumulation_steps > 1" in p for p in problems), problems
     assert all(p.startswith("kernels.cuda_graphs=true") for p in problems)
+
+
+def test_cuda_graphs_over_swapped_blocks_with_block_swap_but_not_sd_scripts_swap(compose, monkeypatch):
+    """flux_kernels' block_swap runs every block from the same card buffers, so the graphs can replay over swapped
+    blocks; sd-scripts' own swap (block_swap taken out) and CPU-offloaded checkpointing still block them."""
+    monkeypatch.setattr("flux_trainer.launch.device.arch_supported", lambda info: (True, ""))
+    ok = resolve(compose("+dataset=mychar", "dry_run=true", "memory=vram12", "kernels.cuda_graphs=true"), H200)
+    assert ok.kernels.cuda_graphs and ok.kernels.cuda_graphs_asked
+    for extra in ("kernels.set='auto,-block_swap'", "memory.cpu_offload_checkpointing=true"):
+        overrides = ["memory=vram12", "kernels.cuda_graphs=true", extra]
+        if "cpu_offload" in extra:
+            overrides[0] = "memory=vram24"
+        with pytest.raises(ConfigError) as refused:
+            resolve(compose("+dataset=mychar", "dry_run=true", *overrides), H200)
+        assert any("memory." in p for p in refused.value.problems), refused.value.problems
 
 
 SHAPE = policy.RunShape(gpu=True, compiles_blocks=True, gradient_checkpointing=False, weights_move=False)
@@ -75,6 +91,8 @@ SHAPE = policy.RunShape(gpu=True, compiles_blocks=True, gradient_checkpointing=F
         ({"weights_move": True}, [policy.WEIGHTS_MOVE]),
         ({"gradient_accumulation_steps": 4}, [policy.ACCUMULATION]),
         ({"gpu": False, "weights_move": True}, [policy.NO_GPU, policy.WEIGHTS_MOVE]),
+        ({"weights_move": True, "swap_in_place": True}, []),  # block_swap: each block at the same addresses
+        ({"weights_move": True, "swap_in_place": True, "offloads_checkpoints": True}, [policy.WEIGHTS_MOVE]),
     ],
 )
 def test_policy_blockers(change, blockers):
