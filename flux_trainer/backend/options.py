@@ -2,10 +2,11 @@
 
 Both trainers read the same RunConfig, but not every key means something to both: sd-scripts has no reference images
 or FLUX.2 timestep shift; flux-train's musubi-tuner backend does not (yet) translate sd-scripts' loss variants,
-validation split, LyCORIS or flux_kernels' FLUX.1 kernels (regional compile it does: musubi/kernel_install.py). A key
-set to anything but its default on a backend that does not honour it is one line naming the key, its value, the
-model, and what to do. Presets set several of these keys (the memory tiers set checkpoint_skip, cuda_graphs,
-t5xxl_fp8): those are read by both backends (or are harmless when not), so they are not listed here.
+validation split, LyCORIS or flux_kernels' FLUX.1 block kernels (the attention backend choice, regional compile and
+the optimizer's steps it does: musubi/kernel_install.py). A key set to anything but its default on a backend that
+does not honour it is one line naming the key, its value, the model, and what to do. Presets set several of these
+keys (the memory tiers set checkpoint_skip, cuda_graphs, t5xxl_fp8): those are read by both backends (or are
+harmless when not), so they are not listed here.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ ONLY: dict[str, tuple[Any, tuple[str, ...]]] = {
 ONLY_VALUES: dict[tuple[str, Any], tuple[str, ...]] = {
     ("train.timestep_sampling", "flux2_shift"): (MUSUBI,),
 }
-# flux_kernels' kernels that musubi-tuner's training takes (flux_trainer/musubi/kernel_install.py installs them): the
-# optimizer's steps (musubi-tuner builds prodigyopt's Prodigy and torch's AdamW too) and regional compile
-MUSUBI_KERNELS = ("prodigy_step", "adamw_step", "compile_blocks")
+# flux_kernels' kernels that musubi-tuner's training takes (flux_trainer/musubi/kernel_install.py installs them, in this
+# order): the optimizer's steps (musubi-tuner builds prodigyopt's Prodigy and torch's AdamW too), the attention backend
+# choice (in the blocks' plain self-attention, flux_trainer/musubi/attention.py) and regional compile
+MUSUBI_KERNELS = ("prodigy_step", "adamw_step", "attention", "compile_blocks")
 
 
 def musubi_kernels(kernel_set: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -68,8 +68,8 @@ def is_flux2(model: nn.Module) -> bool:
     return type(model).__module__.rsplit(".", 1)[-1] == "flux2_models"
 
 
-def _pe(model: nn.Module, n: int, gen: torch.Generator, device: torch.device) -> Tensor:
-    """RoPE of random positions through the model's own embedder (the table the blocks get in training)."""
+def rope_table(model: nn.Module, n: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """RoPE of `n` random positions through the model's own embedder (the table the blocks get in training)."""
     axes = len(model.pe_embedder.axes_dim)
     ids = torch.randint(0, 16, (1, n, axes), generator=gen).to(device, torch.float32)
     return model.pe_embedder(ids)
@@ -94,12 +94,12 @@ def example_inputs(
         def mod() -> tuple[Tensor, Tensor, Tensor]:
             return act(1, 1, hidden, scale=0.1), act(1, 1, hidden, scale=0.1), act(1, 1, hidden, scale=0.5)
 
-        pe_x, pe_ctx = _pe(model, li, gen, device), _pe(model, lt, gen, device)
+        pe_x, pe_ctx = rope_table(model, li, gen, device), rope_table(model, lt, gen, device)
         if kind == "double":
             args = (act(1, li, hidden), act(1, lt, hidden), pe_x, pe_ctx, (mod(), mod()), (mod(), mod()), attn)
             return args, {}
         return (act(1, lt + li, hidden), torch.cat((pe_ctx, pe_x), dim=2), mod(), attn), {}
-    pe = _pe(model, lt + li, gen, device)
+    pe = rope_table(model, lt + li, gen, device)
     vec = act(1, hidden)
     if kind == "double":
         return (), {"img": act(1, li, hidden), "txt": act(1, lt, hidden), "vec": vec, "pe": pe, "control_lengths": None}
@@ -194,10 +194,27 @@ def disable_swapped_linears(blocks: list[nn.Module], musubi_model_utils: Any) ->
     return undo
 
 
-def compile_in_place(blocks: list[nn.Module]) -> None:
-    """`block.compile()` on each: compiled at its first call, the module itself kept (names, hooks, swap)."""
+def compile_in_place(
+    blocks: list[nn.Module], hold: Callable[[], contextlib.AbstractContextManager] | None = None, **opts: Any
+) -> None:
+    """`block.compile(**opts)` on each: compiled at its first call, the module itself kept (names, hooks, swap).
+    `hold`: a context entered around every compiled call, looked up at each call (the attention dispatch's
+    `compiled_context`: the SDPA backend chosen at the run's first forward, which the traced code then calls, as
+    flux_kernels' compile_blocks holds it around sd-scripts' blocks)."""
     for b in blocks:
-        b.compile()
+        b.compile(**opts)
+        if hold is not None:
+            _hold(b, hold)
+
+
+def _hold(block: nn.Module, hold: Callable[[], contextlib.AbstractContextManager]) -> None:
+    compiled = block._compiled_call_impl
+
+    def call(*args, **kwargs):
+        with hold():
+            return compiled(*args, **kwargs)
+
+    block._compiled_call_impl = call
 
 
 def uncompile(blocks: list[nn.Module]) -> int:

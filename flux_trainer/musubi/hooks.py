@@ -31,6 +31,7 @@ class MusubiHooks:
         self._logged = 0  # the last step whose tags went to musubi-tuner's logs
         self._texts_written = False
         self.kernels_installed: list[str] | None = None  # what kernel_install.py installed (None: not yet asked)
+        self.attention: Any = None  # the attention kernel's AttentionDispatch, where it is installed (attention.py)
         self._samples_logged: set[str] = set()
 
     @property
@@ -104,6 +105,8 @@ class MusubiHooks:
                 texts[name] = path.read_text(encoding="utf-8")
         if self.kernels_installed is not None:
             texts["kernels"] = ", ".join(self.kernels_installed) or "none (plain musubi-tuner compute path)"
+        if self.attention is not None:  # decided at the first training forward, before these texts
+            texts["attention"] = self.attention.run_line or "no decision yet (no training forward)"
         if texts and getattr(writer, "log_dir", None):
             write_run_text(writer.log_dir, texts)
 

@@ -1,11 +1,13 @@
 """What `kernels=` installs on musubi-tuner's FLUX.2 / Kontext training, from our trainer subclass (runner.py), never
 through the TOML (the bench runs plain musubi-tuner on our very TOMLs: a TOML key would speed up the baseline too).
 
-What applies here (backend.options.MUSUBI_KERNELS): `compile_blocks`, as its own mechanism for musubi-tuner's blocks
-(block_compile.py: verified against the eager block first), and the optimizer's steps `prodigy_step` / `adamw_step`
-(musubi-tuner builds the same optimizer classes sd-scripts does; flux_kernels' registry probes them). The other
-kernels patch sd-scripts' FLUX.1 model (its block ops, attention dispatch, prologue, LoRA module) or its trainer and
-do not fit musubi-tuner's objects; the config check refuses them by name, and `auto` does without them.
+What applies here (backend.options.MUSUBI_KERNELS): `attention`, flux_kernels' measured backend choice in the
+blocks' plain self-attention (attention.py: verified against musubi-tuner's attention function first), `compile_blocks`,
+as its own mechanism for musubi-tuner's blocks (block_compile.py: verified against the eager block first, and installed
+after the attention, so that it traces ours), and the optimizer's steps `prodigy_step` / `adamw_step` (musubi-tuner
+builds the same optimizer classes sd-scripts does; flux_kernels' registry probes them). The other kernels patch
+sd-scripts' FLUX.1 model (its block ops, prologue, LoRA module) or its trainer and do not fit musubi-tuner's objects;
+the config check refuses them by name, and `auto` does without them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from flux_trainer.config import ConfigError
 log = logging.getLogger("flux_trainer.musubi.runner")
 # measured on the 2-core CPU, random_flux2_klein_tiny, bf16: the probe 190 s and the first step 127 s, then 7.1 s/step
 # against 4.1 uncompiled; as on sd-scripts' side (flux_kernels' compile_applies), auto leaves the CPU alone
-ON_CPU = "kernels=compile installs it anyway (minutes of compiling on a CPU, for tests)"
+ON_CPU = {  # (what auto does on a CUDA GPU only, how to have it on the CPU anyway)
+    "attention": (
+        "chooses the attention backend",
+        "kernels.set=auto,attention installs it anyway (the probe picks among PyTorch's CPU backends, for tests)",
+    ),
+    "compile_blocks": ("compiles", "kernels=compile installs it anyway (minutes of compiling on a CPU, for tests)"),
+}
 # measured 2026-11-29 on an H200 (klein 4B vram8, 13 blocks swapped; 9B vram12, 16 swapped): with blocks swapped the
 # blocks' Linear layers stay out of the graphs, and compiling the rest gave 0.97-1.03x the uncompiled step while the
 # card held 1.7-2.2 GiB more (9B vram12: 11.6 GiB against 9.4, over the tier's 11.5) and the first step came 55-100 s
@@ -31,7 +39,14 @@ WITH_SWAP = (
 WHAT = {
     "prodigy_step": "Prodigy's step in multi-tensor ops, where the optimizer is prodigyopt's Prodigy",
     "adamw_step": "torch's AdamW step fused, where the optimizer is AdamW",
+    "attention": "the attention backend measured at the run's shape, checked against musubi-tuner's attention",
     "compile_blocks": "regional torch.compile of the double and single blocks, checked against the eager block",
+}
+ON_GPU = ("attention", "compile_blocks")  # auto installs these on a CUDA GPU only (named: on the CPU too)
+# what training goes on with where one is skipped
+INSTEAD = {
+    "attention": "training goes on with musubi-tuner's own attention",
+    "compile_blocks": "training goes on uncompiled",
 }
 OPTIMIZER_KERNELS = ("prodigy_step", "adamw_step")
 
@@ -71,7 +86,7 @@ def kernels_line(cfg: Any) -> str:
         if n == "compile_blocks" and swapped:
             parts.append(f"compile_blocks left out (memory.blocks_to_swap={swapped}: {WITH_SWAP})")
             continue
-        parts.append(f"{n} ({WHAT[n]}{'' if n in named or n != 'compile_blocks' else ', on a CUDA GPU'})")
+        parts.append(f"{n} ({WHAT[n]}{'' if n in named or n not in ON_GPU else ', on a CUDA GPU'})")
     return "kernels: " + "; ".join(parts) + "; each installed by the runner where its check passes"
 
 
@@ -94,27 +109,34 @@ def install_kernels(
         log.info("kernels: off (plain musubi-tuner compute path)")
         return []
     installed = list(on_optimizer or [])  # install_optimizer_kernels' (musubi-tuner builds the optimizer first)
-    if "compile_blocks" in names:
+    swapped = getattr(trainer, "blocks_to_swap", 0) or 0
+    attempts = {
+        "attention": lambda: install_attention(args, accelerator, transformer),
+        "compile_blocks": lambda: compile_blocks(trainer, args, accelerator, network, transformer),
+    }
+    for name, attempt in attempts.items():  # the attention first: the compiled blocks trace it
+        if name not in names:
+            continue
         began = time.monotonic()
-        swapped = (getattr(trainer, "blocks_to_swap", 0) or 0) > 0
-        if "compile_blocks" not in named and swapped:
-            ok, why = False, f"{trainer.blocks_to_swap} blocks are swapped: {WITH_SWAP}"
-        elif "compile_blocks" in named or accelerator.device.type == "cuda":
+        if name == "compile_blocks" and name not in named and swapped > 0:
+            ok, why = False, f"{swapped} blocks are swapped: {WITH_SWAP}"
+        elif name in named or accelerator.device.type == "cuda":
             try:
-                ok, why = compile_blocks(trainer, args, accelerator, network, transformer)
+                ok, why = attempt()
             except Exception as exc:  # noqa: BLE001 - an install that breaks is a skipped kernel, not a failed run
                 ok, why = False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc) else ''}"
         else:
-            ok, why = False, f"auto compiles on a CUDA GPU only (device is {accelerator.device.type}); {ON_CPU}"
+            how, instead = ON_CPU[name]
+            ok, why = False, f"auto {how} on a CUDA GPU only (device is {accelerator.device.type}); {instead}"
         if ok:
-            log.info("kernels: installing compile_blocks: %s (checked in %.1f s)", why, time.monotonic() - began)
-            installed.append("compile_blocks")
-        else:
-            if "compile_blocks" in named:
-                from flux_kernels.runtime.errors import KernelError
+            log.info("kernels: installing %s: %s (checked in %.1f s)", name, why, time.monotonic() - began)
+            installed.append(name)
+        elif name in named:
+            from flux_kernels.runtime.errors import KernelError
 
-                raise KernelError(f"compile_blocks cannot be installed: {why}; use kernels=auto or kernels=off")
-            log.info("kernel compile_blocks skipped: %s; training goes on uncompiled", why)
+            raise KernelError(f"{name} cannot be installed: {why}; use kernels=auto or kernels=off")
+        else:
+            log.info("kernel %s skipped: %s; %s", name, why, INSTEAD[name])
     log.info("kernels: %s", ", ".join(installed) or "none")
     return installed
 
@@ -137,6 +159,7 @@ def compile_blocks(trainer: Any, args: Any, accelerator: Any, network: Any, tran
 
     import torch
 
+    from flux_trainer.musubi import attention as musubi_attention
     from flux_trainer.musubi import block_compile as bc
 
     if getattr(args, "compile", False):
@@ -149,11 +172,7 @@ def compile_blocks(trainer: Any, args: Any, accelerator: Any, network: Any, tran
     ok, why = bc.compiler_available(device)
     if not ok:
         return False, why
-    # the activations' dtype: the autocast one, else the blocks' own (musubi-tuner keeps FLUX.2's DiT in bf16 even
-    # with mixed_precision=no; an fp8 base computes in bf16)
-    mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(args.mixed_precision))
-    weight = next(double[0].parameters()).dtype
-    dtype = mixed or (weight if weight in bc.TOLERANCE else torch.bfloat16)
+    mixed, dtype = run_dtype(args, double[0])
     lora = accelerator.unwrap_model(network)
     params = [p for p in lora.parameters() if p.requires_grad]
     undo = lambda: None  # noqa: E731
@@ -188,10 +207,48 @@ def compile_blocks(trainer: Any, args: Any, accelerator: Any, network: Any, tran
     if failed is not None:
         undo()
         return False, failed.why
-    bc.compile_in_place(double + single)
+    attention = musubi_attention.installed(model)  # its SDPA backend held around every compiled call
+    bc.compile_in_place(double + single, hold=attention.dispatch.compiled_context if attention else None)
     notes = [r.why for r in results]
     if (getattr(trainer, "blocks_to_swap", 0) or 0) > 0:
         notes.append("block swap: Linear layers left out of the graphs, as musubi-tuner's own compile does")
     if getattr(model, "gradient_checkpointing", False):
         notes.append("checkpointed blocks: the checkpoint is traced inside each block's graph")
     return True, f"{len(double)} double + {len(single)} single blocks; " + "; ".join(notes)
+
+
+def run_dtype(args: Any, block: Any) -> tuple[Any, Any]:
+    """(autocast's dtype or None, the activations' dtype) of the run: the autocast one, else the blocks' own
+    (musubi-tuner keeps FLUX.2's DiT in bf16 even with mixed_precision=no; an fp8 base computes in bf16)."""
+    import torch
+
+    from flux_trainer.musubi.block_compile import TOLERANCE
+
+    mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(args.mixed_precision))
+    weight = next(block.parameters()).dtype
+    return mixed, mixed or (weight if weight in TOLERANCE else torch.bfloat16)
+
+
+def new_dispatch(device: Any) -> Any:
+    """flux_kernels' AttentionDispatch for the training device (its verdicts cached where sd-scripts' runs keep
+    theirs, `FLUX_KERNELS_CACHE` or flux-train's cache folder)."""
+    from flux_kernels.patches.attention.dispatch import AttentionDispatch
+
+    return AttentionDispatch(device=device)
+
+
+def install_attention(args: Any, accelerator: Any, transformer: Any) -> tuple[bool, str]:
+    """The measured attention backend in the blocks' plain self-attention (attention.py), verified against
+    musubi-tuner's attention function at a few tokens first. (ok, line)."""
+    from flux_trainer.musubi import attention
+    from flux_trainer.musubi.block_compile import blocks_of
+
+    model = accelerator.unwrap_model(transformer)
+    double, single = blocks_of(model)
+    if not double and not single:
+        return False, f"{type(model).__name__} has no double_blocks / single_blocks"
+    _, dtype = run_dtype(args, (double + single)[0])
+    ok, line = attention.install(model, new_dispatch(accelerator.device), accelerator.device, dtype)
+    if not ok:
+        return False, line
+    return True, f"{type(model).__module__}.attention in its plain self-attention calls; {line}"

@@ -110,12 +110,15 @@ def make_trainer_class(base: type, spec: RunnerSpec, run_dir: Path) -> type:
 
         def on_train_start(self, args, accelerator, network, transformer, optimizer):
             super().on_train_start(args, accelerator, network, transformer, optimizer)
+            from flux_trainer.musubi import attention
             from flux_trainer.musubi.kernel_install import install_kernels
 
             progress.progress(phase="kernels")
             on_optimizer = getattr(self, "_flux_optimizer_kernels", [])
             installed = install_kernels(self, args, accelerator, network, transformer, spec.kernels, on_optimizer)
             self.flux_train.kernels_installed = installed
+            chosen = attention.installed(accelerator.unwrap_model(transformer))
+            self.flux_train.attention = chosen.dispatch if chosen else None  # run/attention in TensorBoard
             self._flux_accelerator = accelerator
             self.flux_train.train_start(args, accelerator)
             self.continuation.train_start(args)  # its loop counts its epochs from max_train_steps next

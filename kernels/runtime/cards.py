@@ -76,14 +76,15 @@ def verified(device) -> str:
 def summary(device, request: str = "auto", only: tuple[str, ...] | None = None) -> str:
     """One line: the kernels a run on the card would install, those it would not and why, the attention backends
     it can run, and what was verified where. `only`: the kernels the run's trainer takes (the others patch a model it
-    does not build, so they are left out of the line, and so are the attention backends, which it does not call)."""
+    does not build, so they are left out of the line, and so are the attention backends where `attention` is not
+    among them)."""
     info = as_device_info(device)
     kernels = [c for c in kernels_on(info, request) if only is None or c.name in only]
     yes = ", ".join(c.name for c in kernels if c.applies) or "none"
     no = "; ".join(f"{c.name} ({c.reason})" for c in kernels if not c.applies)
     attention = ", ".join(c.name + (" (not installed here)" if "installed" in c.reason else "")
                           for c in attention_on(info) if c.applies)  # fmt: skip
-    backends = f"; attention backends it can run: {attention or 'none'}" if only is None else ""
+    backends = f"; attention backends it can run: {attention or 'none'}" if only is None or "attention" in only else ""
     head = f"kernels on {info.name} ({_sm(info)}): {yes}" + (f"; not: {no}" if no else "")
     return f"{head}{backends}; {verified(info)}"
 

@@ -114,17 +114,28 @@ def test_kontext_tiny_trains_two_steps_with_its_references(tmp_path):
     tiny_dataset(tmp_path, extra=f"control_images: {refs}\n")
     samples = ["sample.prompts=[make it blue]", f"sample.references=[{refs / 'im1.jpg'}]", "sample.every_n_steps=2",
                "sample.steps=2", "sample.width=64", "sample.height=64"]  # fmt: skip
+    # the attention kernel named (auto installs it on a CUDA GPU only): checked against musubi-tuner's attention,
+    # then the backend decided at the first training forward (flux_trainer/musubi/attention.py)
     got = flux_train(tmp_path, "+dataset=tiny", "model=random_kontext_tiny", "train.max_steps=2", *samples,
-                     env=musubi_env(tmp_path))  # fmt: skip
+                     "kernels.set='auto,attention'", env=musubi_env(tmp_path))  # fmt: skip
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    assert "attention (the attention backend measured at the run's shape, checked against musubi-tuner's" in got.stdout
     check_run(tmp_path, "networks.lora_flux", "flux_kontext")
+    log = (newest_run(tmp_path) / "train.log").read_text()
+    assert "kernels: installing attention: musubi_tuner.flux.flux_models.attention in its plain self-attention" in log
+    assert "calls; matches musubi-tuner's attention, fwd+bwd (bfloat16" in log
+    assert "kernels: prodigy_step, attention\n" in log
+    (decided,) = re.findall(r"kernels: attention: (.+)", log)  # once, at the first training forward
+    assert decided.startswith("sdpa") and " bfloat16 mask=False" in decided, decided
+    (events,) = {p.parent for p in (newest_run(tmp_path) / "tb").rglob("events.out.tfevents.*")}
+    texts = read_texts(events)
+    assert texts["run/kernels"] == "prodigy_step, attention" and texts["run/attention"] == decided
     # the sample edits its reference image (musubi-tuner's --ci), rendered at step 2 and shown in TensorBoard
     run = newest_run(tmp_path)
     assert (run / "sample_prompts.txt").read_text().endswith(f"--d 42 --ci {refs / 'im1.jpg'}\n")
     assert sorted(run.glob("sample/tiny_000002_00_*.png"))
     (events,) = {p.parent for p in (run / "tb").rglob("events.out.tfevents.*")}
     assert (2, 64, 64) in read_images(events)["samples/00"]
-    log = (newest_run(tmp_path) / "train.log").read_text()
     assert "4 images have 1 control images" in log  # musubi-tuner paired every image with its reference
     (cache,) = (tmp_path / "cache" / "musubi").glob("tiny-*/cache-*")
     latents = [p for p in cache.glob("im0_*.safetensors") if not p.name.endswith("_te.safetensors")]

@@ -135,15 +135,18 @@ def cfg(kernel_set: str):
 
 
 def test_what_each_kernel_set_tries_on_musubi_tuners_models():
-    assert wanted("auto") == (("prodigy_step", "adamw_step", "compile_blocks"), ())
+    assert wanted("auto") == (("prodigy_step", "adamw_step", "attention", "compile_blocks"), ())
     assert wanted("off") == ((), ())
     assert wanted("compile_blocks") == (("compile_blocks",), ("compile_blocks",))
-    assert wanted("auto,-compile_blocks") == (("prodigy_step", "adamw_step"), ())
+    assert wanted("auto,-compile_blocks") == (("prodigy_step", "adamw_step", "attention"), ())
+    assert wanted("attention,compile_blocks") == (("attention", "compile_blocks"), ("attention", "compile_blocks"))
     assert kernels_line(cfg("off")) == "kernels: off (plain musubi-tuner compute path)"
     line = kernels_line(cfg("auto"))
     assert "prodigy_step (Prodigy's step" in line and "; compile_blocks (regional torch.compile" in line
     assert "eager block, on a CUDA GPU)" in line
+    assert "; attention (the attention backend measured at the run's shape, checked against musubi-tuner's " in line
     assert "on a CUDA GPU" not in kernels_line(cfg("compile_blocks"))
+    assert "on a CUDA GPU" not in kernels_line(cfg("attention"))
 
 
 @pytest.mark.parametrize("kernel_set", ["qk_norm_rope,modulate", "auto,lora_fold"])

@@ -78,6 +78,14 @@ def test_a_key_the_chosen_trainer_would_not_use_is_one_line(model, override, nee
     assert "\n" not in line and ("remove it" in line or "use " in line or "choose" in line)
 
 
+@pytest.mark.parametrize("kernel_set", ["attention", "auto,attention", "auto,-attention", "attention,compile_blocks"])
+def test_the_attention_kernel_is_taken_on_musubi_tuners_models(kernel_set, compose, kontext_set):
+    """flux_trainer/musubi/attention.py puts the measured backend in FLUX.2's and Kontext's blocks: naming it is no
+    longer a key the trainer would not use."""
+    for model, dataset in (("random_flux2_klein_tiny", "mychar"), ("random_kontext_tiny", "edits")):
+        validate(compose(f"+dataset={dataset}", f"model={model}", f"kernels.set='{kernel_set}'", "dry_run=true"))
+
+
 def test_control_images_on_a_flux1_model_is_refused(compose, kontext_set):
     problems = problems_of(compose("+dataset=edits", "model=random_tiny"))
     assert any(p.startswith("dataset.control_images=") and "sd-scripts" in p for p in problems), problems
