@@ -172,10 +172,16 @@ def run_shape(cfg: DictConfig, gpu: bool = True) -> policy.RunShape:
         weights_move=bool(mem.blocks_to_swap or mem.cpu_offload_checkpointing),
         swap_in_place=bool(mem.blocks_to_swap) and request.wants("block_swap", in_auto=True),
         offloads_checkpoints=bool(mem.cpu_offload_checkpointing),
+        samples=renders_samples(cfg),
         gradient_accumulation_steps=int(cfg.train.gradient_accumulation_steps),
         graphs_fit=bool(mem.get("cuda_graphs", False)),
         varying_text=str(cfg.model.get("model_type", "flux")) == "chroma",
     )
+
+
+def renders_samples(cfg: DictConfig) -> bool:
+    """The run renders sample images (prompts given: at their period, and sd-scripts' last one at the end)."""
+    return bool((cfg.get("sample") or {}).get("prompts"))
 
 
 def _switch(cfg: DictConfig, key: str) -> str:

@@ -41,6 +41,11 @@ class RunShape:
     # own swap moves the tensors themselves. CPU-offloaded checkpointing still blocks the graphs.
     swap_in_place: bool = False
     offloads_checkpoints: bool = False
+    # the run renders samples between steps: the graphs' pools (~3 GiB at the 16 GB tier) stay on the card through
+    # them, and on a tier that swaps blocks the autoencoder's decode at 1024 px then ran out of the tier's memory
+    # (H200 under vram16's cap, 10 blocks swapped, 2026-11-29: 14.76 of 14.99 GiB allocated, 2.94 in the pools, 1 GiB
+    # more asked for); `auto` leaves the graphs off there, `true` keeps them
+    samples: bool = False
 
     @property
     def trades_memory(self) -> bool:
@@ -77,9 +82,13 @@ def cuda_graph_blockers(shape: RunShape) -> list[str]:
 def cuda_graphs(value: object, shape: RunShape) -> bool:
     """Whether the compiled blocks replay from CUDA graphs (torch.compile "reduce-overhead"). `auto`: where memory
     is not traded for speed, or where the tier says its memory has room for the graphs' own pool (about 1.5 GiB on the
-    card) beside checkpointing (`graphs_fit`). Measured on an H200: 4% faster at vram80; at the 24 GB tier's cap
-    (fp8 base, every block checkpointed selectively) 0.372 s/step against 0.464 for the tier without graphs, 20.4 GiB
-    on the card (2026-11-28); with a bf16 base at vram48 0.471 against 0.460, so not there. On several GPUs each
+    card) beside checkpointing (`graphs_fit`), but not on a tier that swaps blocks where the run renders samples
+    (`samples`, above). With flux_kernels' block_swap the tiers that swap replay too (`swap_in_place`): at the 16 GB
+    tier's cap (10 blocks swapped) 0.415 s/step against 0.570 without graphs (4 swapped) and plain sd-scripts' 1.191,
+    at the 12 GB tier's (20 swapped) 0.438 against 1.218 (H200, 2026-11-29). Measured on an H200: 4% faster at
+    vram80; at the 24 GB tier's cap (fp8 base, every block checkpointed selectively) 0.372 s/step against 0.464 for the
+    tier without graphs, 20.4 GiB on the card (2026-11-28); with a bf16 base at vram48 0.471 against 0.460, so not
+    there. On several GPUs each
     process replays its own graphs (two H200s, vram80: 0.3515 s/step against 0.3532 without, the same losses, +1.9
     GiB on the card). Not where the text length varies (Chroma): with graphs on, a 10-step Chroma bench at vram80
     (H200, 2026-11-28) ranged 0.13-4.1 s a step, mean 1.22 against plain sd-scripts' 0.72, as new caption lengths
@@ -90,7 +99,8 @@ def cuda_graphs(value: object, shape: RunShape) -> bool:
         raise GraphsBlocked(blockers)
     if chosen == "auto":
         fits = not shape.gradient_checkpointing or shape.graphs_fit
-        return not blockers and not shape.varying_text and fits
+        room_to_sample = not (shape.samples and shape.weights_move)
+        return not blockers and not shape.varying_text and fits and room_to_sample
     return chosen == "true"
 
 

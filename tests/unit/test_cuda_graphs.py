@@ -21,8 +21,14 @@ from tests.conftest import undoing
         (["memory=vram80"], True, True),  # no checkpointing: memory is not traded for speed
         (["memory=vram48"], True, True),  # checkpointing tiers with room for the graphs' ~1.5 GiB (memory.cuda_graphs)
         (["memory=vram24"], True, True),
-        (["memory=vram16"], True, False),  # the tier has no room for the graphs' pool (memory.cuda_graphs)
-        (["memory=vram16", "kernels.cuda_graphs=true"], True, True),  # block_swap: the same buffers at every use
+        (["memory=vram16"], True, True),  # block_swap: the same buffers at every use, and room for the pools
+        (["memory=vram12"], True, True),
+        (["memory=vram8"], True, False),  # measured no faster there (memory.cuda_graphs=false)
+        (["memory=vram8", "kernels.cuda_graphs=true"], True, True),
+        # samples on a tier that swaps: the pools left the autoencoder's decode too little of the card
+        (["memory=vram16", "sample.prompts=[a red square]"], True, False),
+        (["memory=vram16", "sample.prompts=[a red square]", "kernels.cuda_graphs=true"], True, True),
+        (["memory=vram24", "sample.prompts=[a red square]"], True, True),  # nothing swapped
         (["memory=vram48", "memory.fp8_base=false", "memory.cuda_graphs=false"], True, False),
         (["memory=vram80", "kernels=off"], True, False),
         (["memory=vram80", "kernels=fused"], True, False),  # no compile_blocks in that set

@@ -63,8 +63,8 @@ def test_fp8_and_block_swap_come_from_the_memory_tier(flux2):
     run, said = run_of(flux2("memory=vram12"))  # the tier file's keys (plan.resolve fits them to the model first)
     flat = run.train.flat()
     assert flat["fp8_base"] is True and flat["fp8_scaled"] is True
-    assert flat["blocks_to_swap"] == 13 and flat["gradient_checkpointing"] is True  # the tier's 18, klein 4B's most
-    assert said == ["memory.blocks_to_swap=18: flux2_klein_base_4b swaps at most 13; 13 swapped"]
+    assert flat["blocks_to_swap"] == 13 and flat["gradient_checkpointing"] is True  # the tier's 20, klein 4B's most
+    assert said == ["memory.blocks_to_swap=20: flux2_klein_base_4b swaps at most 13; 13 swapped"]
     assert run.problems() == []
 
 

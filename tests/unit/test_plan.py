@@ -33,15 +33,17 @@ def test_resolve_picks_the_tier_decides_the_kernels_and_freezes_the_config(compo
 
 def test_a_smaller_card_trades_memory_so_the_switches_stay_off_unless_its_tier_has_room(compose, monkeypatch):
     """vram24 checkpoints and has room for CUDA graphs' pool (memory.cuda_graphs); the fp8 weights' transposes stay
-    off; a tier without the room (or a user who says so) replays nothing; block swap moves what graphs would read."""
+    off; a tier without the room (or a user who says so) replays nothing; the swapping tiers replay through block_swap
+    (vram8 measured no faster)."""
     monkeypatch.setattr("flux_trainer.launch.device.arch_supported", lambda info: (True, ""))
     plan = resolve(compose("+dataset=mychar", "dry_run=true"), RTX4090)
     assert plan.tier == "vram24" and plan.gpus == 1
     assert plan.kernels.cuda_graphs and not plan.kernels.cuda_graphs_asked and not plan.kernels.fp8_keep_transposed
     mine = resolve(compose("+dataset=mychar", "dry_run=true", "memory.cuda_graphs=false"), RTX4090)  # typed
     assert mine.tier == "vram24" and not mine.kernels.cuda_graphs  # the user's key kept over the tier's
-    for tier in ("vram16", "vram12", "vram8"):
-        assert not resolve(compose("+dataset=mychar", "dry_run=true", f"memory={tier}"), RTX4090).kernels.cuda_graphs
+    for tier, graphs in (("vram16", True), ("vram12", True), ("vram8", False)):  # block_swap keeps the addresses
+        got = resolve(compose("+dataset=mychar", "dry_run=true", f"memory={tier}"), RTX4090).kernels
+        assert got.cuda_graphs is graphs and not got.fp8_keep_transposed, tier
     accumulating = compose("+dataset=mychar", "dry_run=true", "train.gradient_accumulation_steps=2")
     assert not resolve(accumulating, RTX4090).kernels.cuda_graphs  # auto: off where something blocks them
 
