@@ -13,13 +13,9 @@ import pytest
 
 from flux_trainer.config import ConfigError
 from flux_trainer.metrics.tensorboard import read_scalars
-from flux_trainer.musubi.checkout import locate
+from tests.musubi_checkout import MUSUBI, need_musubi
 
 pytestmark = [pytest.mark.musubi, pytest.mark.sd_scripts]
-try:
-    MUSUBI, WHY = locate(), ""
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    MUSUBI, WHY = None, str(exc)
 OUR_TAGS = ("vram/peak_gib", "time/step_s", "throughput/images_per_s")
 CASE = "cpu_k-off_128"
 
@@ -28,8 +24,7 @@ def bench(tmp_path, monkeypatch, capsys, model: str) -> tuple[dict, dict, Path, 
     from flux_trainer.commands.bench import bench_main
     from flux_trainer.sdscripts.checkout import locate as locate_sd_scripts
 
-    if MUSUBI is None:
-        pytest.skip(f"needs a musubi-tuner checkout: {WHY}")
+    need_musubi()
     try:
         sd_scripts = locate_sd_scripts()
     except ConfigError as exc:  # the random sets are written with sd-scripts' code

@@ -11,23 +11,17 @@ import re
 import pytest
 from safetensors import safe_open
 
-from flux_trainer.config import ConfigError
 from flux_trainer.metrics.tensorboard import read_images, read_scalars, read_texts
-from flux_trainer.musubi.checkout import locate
 from tests.integration.tiny_run import CHECKOUT, flux_train, fresh_env, newest_run, tiny_dataset
+from tests.musubi_checkout import MUSUBI, need_musubi
 
 pytestmark = [pytest.mark.musubi, pytest.mark.sd_scripts]
-try:
-    MUSUBI, WHY = locate(), ""
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    MUSUBI, WHY = None, str(exc)
 COMFY_KEY = re.compile(r"^diffusion_model\.(double|single)_blocks\.\d+\.[a-z0-9_.]+\.lora_[AB]\.weight$")
 OUR_TAGS = ("vram/peak_gib", "vram/allocated_gib", "time/step_s", "time/data_s", "throughput/images_per_s")
 
 
 def need_checkouts() -> None:
-    if MUSUBI is None:
-        pytest.skip(f"needs a musubi-tuner checkout: {WHY}")
+    need_musubi()
     if CHECKOUT is None:  # the Kontext preset's files are sd-scripts' random set, written with its code
         pytest.skip("needs an sd-scripts checkout (the random sets are written with its code)")
 

@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from flux_trainer.config import ConfigError
-from flux_trainer.musubi.checkout import locate
 from tests.integration.tiny_run import (
     CHECKOUT,
     cli,
@@ -28,12 +26,9 @@ from tests.integration.tiny_run import (
     state_step,
     tiny_dataset,
 )
+from tests.musubi_checkout import MUSUBI, need_musubi
 
 pytestmark = [pytest.mark.musubi, pytest.mark.sd_scripts]
-try:
-    MUSUBI, WHY = locate(), ""
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    MUSUBI, WHY = None, str(exc)
 
 STEPS = 10  # 4 batches an epoch: the stop lands in the second epoch (after step 4), the run ends in the third
 
@@ -64,8 +59,7 @@ class Work:
 
 @pytest.fixture(scope="module")
 def works(tmp_path_factory):
-    if MUSUBI is None:
-        pytest.skip(f"needs a musubi-tuner checkout: {WHY}")
+    need_musubi()
     if CHECKOUT is None:
         pytest.skip("needs an sd-scripts checkout (the random sets are written with its code)")
     base = tmp_path_factory.mktemp("musubi-resume")

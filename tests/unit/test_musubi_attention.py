@@ -16,21 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flux_trainer.config import ConfigError
 from flux_trainer.musubi import attention as ma
 from flux_trainer.musubi import block_compile as bc
-
-try:
-    from flux_trainer.musubi.checkout import import_module, locate
-
-    MUSUBI, WHY = locate(), ""
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    MUSUBI, WHY = None, str(exc)
-
-
-def need() -> None:
-    if MUSUBI is None:
-        pytest.skip(f"needs a musubi-tuner checkout: {WHY}")
+from flux_trainer.musubi.checkout import import_module
+from tests.musubi_checkout import MUSUBI, need_musubi
 
 
 def tiny_kontext() -> nn.Module:
@@ -112,7 +101,7 @@ def _put_back():
 
 @pytest.mark.parametrize("build", [tiny_kontext, tiny_flux2], ids=["kontext", "flux2"])
 def test_the_patched_model_gives_musubi_tuners_outputs_and_gradients(build, tmp_path):
-    need()
+    need_musubi()
     model = build()
     inputs = model_inputs(model)
     want = forward_backward(model, inputs)
@@ -143,7 +132,7 @@ def test_the_patched_model_gives_musubi_tuners_outputs_and_gradients(build, tmp_
 
 def test_no_decision_without_grad_and_the_decision_is_made_once(tmp_path):
     """A sample rendered before training (no grad) decides nothing; the first training forward decides, once."""
-    need()
+    need_musubi()
     model = tiny_kontext()
     dispatch, _ = math_dispatch(tmp_path)
     assert ma.install(model, dispatch, torch.device("cpu"), torch.float32)[0]
@@ -193,7 +182,7 @@ def test_kontexts_split_attention_mask_and_unequal_reference_lengths_go_to_musub
 
 
 def test_flux2s_masks_split_and_variable_lengths_go_to_musubi_tuners_function():
-    need()
+    need_musubi()
     m = import_module(MUSUBI.path, "flux_2.flux2_models")
     dispatch, original, calls = spies()
     attention = ma.flux2_attention(dispatch, original, identity_rope)
@@ -217,7 +206,7 @@ def test_flux2s_masks_split_and_variable_lengths_go_to_musubi_tuners_function():
 
 
 def test_split_attn_on_the_model_is_refused_before_anything_changes(tmp_path):
-    need()
+    need_musubi()
     model = tiny_flux2()
     model.split_attn = True
     dispatch, _ = math_dispatch(tmp_path)
@@ -228,7 +217,7 @@ def test_split_attn_on_the_model_is_refused_before_anything_changes(tmp_path):
 def test_a_wrong_attention_fails_the_verification_and_changes_nothing():
     """A dispatch whose tokens are 1% off (the probe guards each backend; this is what the install guards: our
     function as a whole, RoPE and layouts included, against musubi-tuner's)."""
-    need()
+    need_musubi()
     model = tiny_kontext()
     module = import_module(MUSUBI.path, "flux.flux_models")
     theirs = module.attention
@@ -264,7 +253,7 @@ def install_kernels(model: nn.Module, kernel_set: str, accelerator=None) -> list
 
 
 def test_named_on_the_cpu_installs_it_and_auto_on_the_cpu_skips_it_with_one_line(caplog, monkeypatch, tmp_path):
-    need()
+    need_musubi()
     from flux_trainer.musubi import kernel_install
 
     monkeypatch.setattr(kernel_install, "new_dispatch", lambda device: math_dispatch(tmp_path)[0])
@@ -285,7 +274,7 @@ def test_named_on_the_cpu_installs_it_and_auto_on_the_cpu_skips_it_with_one_line
 
 
 def test_a_failed_verification_is_one_line_under_auto_and_stops_a_named_run(caplog, monkeypatch, tmp_path):
-    need()
+    need_musubi()
     from flux_kernels.runtime.errors import KernelError
     from flux_trainer.musubi import kernel_install
 
@@ -310,7 +299,7 @@ def test_a_failed_verification_is_one_line_under_auto_and_stops_a_named_run(capl
 def test_compiled_blocks_trace_ours_in_one_graph_inside_the_run_backend(build, tmp_path):
     """The compiled blocks call the dispatch's compiled path (one graph: fullgraph), and every compiled call runs
     inside the backend chosen at the first training forward (compiled_context, held as compile_blocks holds it)."""
-    need()
+    need_musubi()
     model = build()
     dispatch, _ = math_dispatch(tmp_path)
     assert ma.install(model, dispatch, torch.device("cpu"), torch.float32)[0]

@@ -15,19 +15,13 @@ from torch import nn
 
 from flux_trainer.config import ConfigError
 from flux_trainer.musubi import block_compile as bc
+from flux_trainer.musubi.checkout import import_module
 from flux_trainer.musubi.kernel_install import kernels_line, wanted
-
-try:
-    from flux_trainer.musubi.checkout import import_module, locate
-
-    MUSUBI, WHY = locate(), ""
-except ConfigError as exc:  # pragma: no cover - depends on the machine
-    MUSUBI, WHY = None, str(exc)
+from tests.musubi_checkout import MUSUBI, need_musubi
 
 
 def need() -> None:
-    if MUSUBI is None:
-        pytest.skip(f"needs a musubi-tuner checkout: {WHY}")
+    need_musubi()
     ok, why = bc.compiler_available(torch.device("cpu"))
     if not ok:
         pytest.skip(f"torch.compile cannot build here: {why}")
