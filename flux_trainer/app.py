@@ -31,7 +31,7 @@ from flux_trainer.data.subsets import largest_resolution
 from flux_trainer.launch import command as launch_command
 from flux_trainer.launch import device as launch_device
 from flux_trainer.launch import profiles, rundir
-from flux_trainer.plan import processes, resolve
+from flux_trainer.plan import cuda_graphs_note, processes, resolve
 from flux_trainer.sdscripts import checkout as sd_checkout
 from flux_trainer.sdscripts.parser_schema import check_training_keys, load_schema
 from flux_trainer.sdscripts.resume import SavedState, resume_decision
@@ -363,6 +363,8 @@ def _launch(cfg: DictConfig, prepared: Prepared, began: float, info) -> int:
     steps = f"{cfg.train.max_steps} steps" if cfg.train.max_steps else f"{cfg.train.max_epochs} epochs"
     batch = effective_batch_line(cfg, max(processes(cfg, info), 1) * int(cfg.launcher.nodes))
     say(f"{cfg.model.name} on {info.name}: memory={cfg.memory.tier}, kernels={cfg.kernels.set}, {steps}; {batch}")
+    if prepared.backend != MUSUBI and (note := cuda_graphs_note(cfg, gpu=info.is_gpu)):
+        say(note)
     log_lines = ["environment (env.json): " + "; ".join(prepared.env_lines)]
     if cfg.dry_run:
         say(log_lines[0])

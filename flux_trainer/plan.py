@@ -9,6 +9,7 @@ layer that tried to change it would fail loudly instead of deciding something ag
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,6 +219,22 @@ def cuda_graphs_decision(cfg: DictConfig, gpu: bool = True) -> bool:
             "being summed",
         }
         raise ConfigError([f"kernels.cuda_graphs=true{origin}: {reasons[b]}" for b in blocked.blockers]) from None
+
+
+def cuda_graphs_note(cfg: DictConfig, gpu: bool = True) -> str | None:
+    """One line for the run's header where `kernels.cuda_graphs=auto` leaves the graphs off only because the run
+    renders samples on a tier that swaps blocks (a slower step the user may not expect), else None."""
+    if not gpu or _switch(cfg, "cuda_graphs") != "auto":
+        return None
+    shape = run_shape(cfg, gpu)
+    if not shape.samples or policy.cuda_graphs("auto", shape):
+        return None
+    if not policy.cuda_graphs("auto", dataclasses.replace(shape, samples=False)):
+        return None
+    return (
+        f"CUDA graphs off (a slower step): sample.prompts on memory={cfg.memory.tier}, which swaps blocks, and the "
+        "graphs' memory left the samples' decode too little on a 16 GB card; kernels.cuda_graphs=true keeps them"
+    )
 
 
 def fp8_keep_transposed_decision(cfg: DictConfig) -> bool:

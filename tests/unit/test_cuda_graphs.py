@@ -305,3 +305,23 @@ def test_graphs_over_swapped_blocks_need_block_swap_installed(monkeypatch, caplo
     assert "cuda graphs skipped: the model swaps blocks without the block_swap kernel (page-locked" in caplog.text
     with pytest.raises(KernelError, match="sd-scripts' swap moves the weights"):
         hooks_mod.install_kernels(swapping, {"set": "auto", "cuda_graphs": True, "cuda_graphs_asked": True}, "cuda")
+
+
+def test_the_header_says_when_samples_leave_the_graphs_off(compose):
+    """Only where the graphs would replay but for the samples on a swapping tier: a slower step the user did not ask
+    for is said before the run starts, with the key that keeps them."""
+    from flux_trainer.plan import cuda_graphs_note
+
+    prompts = "sample.prompts=[a red square]"
+    note = cuda_graphs_note(compose("+dataset=mychar", "memory=vram16", prompts))
+    assert note.startswith("CUDA graphs off (a slower step): sample.prompts on memory=vram16, which swaps blocks")
+    assert "kernels.cuda_graphs=true keeps them" in note
+    for overrides in (
+        ["memory=vram16"],  # no samples: the graphs replay
+        ["memory=vram24", prompts],  # nothing swapped: samples change nothing
+        ["memory=vram8", prompts],  # off there anyway (memory.cuda_graphs=false)
+        ["memory=vram16", prompts, "kernels.cuda_graphs=true"],  # kept by the user
+        ["memory=vram16", prompts, "kernels.cuda_graphs=false"],
+    ):
+        assert cuda_graphs_note(compose("+dataset=mychar", *overrides)) is None, overrides
+    assert cuda_graphs_note(compose("+dataset=mychar", "memory=vram16", prompts), gpu=False) is None
