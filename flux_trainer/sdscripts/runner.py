@@ -55,7 +55,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
     """Our FluxNetworkTrainer subclass, built against the checkout imported at run time. `startup`: this process's
     StartupClock (metrics.startup), marked at each phase sd-scripts goes through until the first step."""
     from flux_trainer.config.paths import cache_root
-    from flux_trainer.sdscripts import file_hash, hooks, te_cache, threads
+    from flux_trainer.sdscripts import file_hash, hooks, sample_decode, te_cache, threads
     from flux_trainer.sdscripts.continuation import Continuation
 
     base = mods.flux_train_network.FluxNetworkTrainer
@@ -65,6 +65,7 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
             super().__init__()
             self.flux_train = hooks.RunHooks(spec, run_dir, startup=startup)
             self.continuation = Continuation(None, None, "")  # inert until train() makes the run's own
+            self._decode_said = [False]  # the samples' decode fell back to the CPU once (sample_decode)
 
         def train(self, args):
             # sd-scripts builds the optimizer with a module function, inside train(), and gives it to no method we
@@ -170,7 +171,9 @@ def make_trainer_class(mods: SdScriptsModules, spec: RunnerSpec, run_dir: Path, 
         # sd-scripts' global step counts this process's steps; the run's step adds the resumed state's
         def sample_images(self, accelerator, args, epoch, global_step, *rest):
             step = self.continuation.run_step(global_step)
-            result = super().sample_images(accelerator, args, epoch, step, *rest)
+            ae = rest[1] if len(rest) > 1 else None  # (device, ae, tokenizer, text_encoder, flux)
+            with sample_decode.cpu_fallback(ae, self._decode_said):
+                result = super().sample_images(accelerator, args, epoch, step, *rest)
             self.flux_train.log_new_samples(accelerator, Path(args.output_dir) / "sample", step)
             return result
 
