@@ -45,8 +45,9 @@ def install_kernels(unet: Any, kernels: dict[str, Any], device: Any) -> list[str
     log.info("kernels: probes %s; installing %s", selection.probe_time(), registry.seconds_by_name(seconds))
     if graphs and "compile_blocks" in installed:
         if getattr(unet, "blocks_to_swap", None) and "block_swap" not in installed:
-            raise KernelError("kernels.cuda_graphs: the graphs were recorded over swapped blocks, but block_swap did "
-                              "not install: sd-scripts' own swap moves the weights they read")  # fmt: skip
+            raise KernelError("kernels.cuda_graphs: the compiled blocks were set to replay from graphs over swapped "
+                              "blocks, but block_swap did not install: sd-scripts' own swap moves the weights they "
+                              "read")  # fmt: skip
         installed.append("cuda_graphs")
     return installed
 

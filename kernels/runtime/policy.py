@@ -36,9 +36,9 @@ class RunShape:
     # caption before the blocks): every new length would record new graphs, so `auto` does not replay there
     varying_text: bool = False
     # the swap is flux_kernels' block_swap (requested; installed where sd-scripts' own would run), which copies each
-    # swapped block into the same card buffers at every use (a block always runs from the buffers of the block `keep`
-    # places before it), so a graph recorded over a swapped block reads the right weights at every replay; sd-scripts'
-    # own swap moves the tensors themselves. CPU-offloaded checkpointing still blocks the graphs.
+    # swapped block into the same card buffers at every use (block j always runs from those block j % (N - S) started
+    # with), so a graph recorded over a swapped block reads the right weights at every replay; sd-scripts' own swap
+    # moves the tensors themselves. CPU-offloaded checkpointing (`offloads_checkpoints`) still blocks the graphs.
     swap_in_place: bool = False
     offloads_checkpoints: bool = False
     # the run renders samples between steps: the graphs' pools (~3 GiB at the 16 GB tier) stay on the card through
