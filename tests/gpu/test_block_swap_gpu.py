@@ -182,3 +182,58 @@ def test_the_most_swapped_tier_at_full_depth_copies_each_weight_once(fm, dev, be
         torch.cuda.synchronize(dev)
         assert sum(ours.double.on_device(i) for i in range(19)) == 4
         assert sum(ours.single.on_device(i) for i in range(38)) == 6
+
+
+def _sample(model, inputs: dict) -> None:
+    """What a sample (or a validation step) does between training steps: sd-scripts' prepare, a forward without
+    backward, and its prepare again (the blocks are then where a forward without backward left them)."""
+    model.prepare_block_swap_before_forward()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(**{k: v.detach() for k, v in inputs.items()})
+    model.prepare_block_swap_before_forward()
+
+
+def test_compiled_blocks_replay_from_cuda_graphs_over_swapped_blocks(fm, dev, bench):
+    """The vram16 / vram12 tiers: block_swap runs block j from the buffers block j % (N - S) started with at every
+    use, so the compiled blocks replay from CUDA graphs over swapped blocks. Through training steps, a sample between
+    them and training again, the outputs and the blocks' input gradients match the same compiled blocks without
+    graphs (within bf16 attention's run-to-run noise), and each block ran from one set of card buffers."""
+    import torch._dynamo
+
+    from flux_kernels.patches import compile_blocks
+
+    swap, steps, sampled_after = 4, 5, 1
+    seen: dict[tuple[str, int], set] = {}
+
+    def record(model) -> None:
+        ours = bs.installed_on(model)
+        for kind, off in (("double", ours.double), ("single", ours.single)):
+            for i in range(off.num_blocks):
+                if off.on_device(i):
+                    seen.setdefault((kind, i), set()).add(tuple(m.weight.data_ptr() for _, m in off.slots[i]))
+
+    results = {}
+    for graphs in (False, True):
+        model = bench.build_flux(fm, dev, torch.bfloat16, depth=DEPTH, depth_single_blocks=SINGLE).train()
+        model.enable_gradient_checkpointing()
+        inputs = bench.flux_inputs(dev, IMG, TXT, model.params.context_in_dim, model.params.vec_in_dim)
+        with undoing(lambda m=model: bs.remove(m), torch._dynamo.reset):
+            setup_swap(model, swap, dev, ours=True)
+            compile_blocks.install(model, options={"triton.cudagraphs": True} if graphs else {})
+            got = []
+            for step in range(steps):
+                torch.compiler.cudagraph_mark_step_begin()
+                got.append(on_host(bench.train_step(model, inputs, torch.bfloat16)))
+                if graphs:
+                    record(model)
+                if step == sampled_after:
+                    _sample(model, inputs)
+            results[graphs] = got
+        del model
+        torch.cuda.empty_cache()
+    for step, (plain, replayed) in enumerate(zip(results[False], results[True], strict=True)):
+        for what, a, b in zip(("output", "d img", "d txt"), replayed, plain, strict=True):
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            assert err < 2e-2, (step, what, err)
+    moved = {k: v for k, v in seen.items() if len(v) != 1}
+    assert not moved, f"blocks ran from more than one set of card buffers: {sorted(moved)}"
