@@ -19,6 +19,7 @@ from torch import nn
 from flux_trainer.musubi import attention as ma
 from flux_trainer.musubi import block_compile as bc
 from flux_trainer.musubi.checkout import import_module
+from tests.conftest import undoing
 from tests.musubi_checkout import MUSUBI, need_musubi
 
 
@@ -310,11 +311,8 @@ def test_compiled_blocks_trace_ours_in_one_graph_inside_the_run_backend(build, t
     dispatch.compiled_context = lambda: held.append(dispatch.run_choice) or context()
     double, single = bc.blocks_of(model)
     bc.compile_in_place(double + single, hold=dispatch.compiled_context, backend="aot_eager", fullgraph=True)
-    try:
+    with undoing(lambda: bc.uncompile(double + single), torch._dynamo.reset):
         got = forward_backward(model, inputs)
-    finally:
-        bc.uncompile(double + single)
-        torch._dynamo.reset()
     assert held == ["sdpa_math", "sdpa_math"]
     for g, w in zip(got, want, strict=True):
         if w is not None:
