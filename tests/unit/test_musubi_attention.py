@@ -7,7 +7,6 @@ in one graph and run inside the SDPA backend chosen at the first training forwar
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from types import SimpleNamespace
 
@@ -20,7 +19,7 @@ from flux_trainer.musubi import attention as ma
 from flux_trainer.musubi import block_compile as bc
 from flux_trainer.musubi.checkout import import_module
 from tests.conftest import undoing
-from tests.musubi_checkout import MUSUBI, need_musubi
+from tests.musubi_checkout import MUSUBI, FakeAccelerator, need_musubi
 
 
 def tiny_kontext() -> nn.Module:
@@ -232,17 +231,6 @@ def test_a_wrong_attention_fails_the_verification_and_changes_nothing():
     ok, why = ma.install(model, Wrong(), torch.device("cpu"), torch.float32)
     assert not ok and why.startswith("float32 output differs from musubi-tuner's attention (max rel. error 1.0"), why
     assert module.attention is theirs and ma.installed(model) is None
-
-
-class FakeAccelerator:
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = torch.device(device)
-
-    def unwrap_model(self, model):
-        return model
-
-    def autocast(self):
-        return contextlib.nullcontext()
 
 
 def install_kernels(model: nn.Module, kernel_set: str, accelerator=None) -> list[str]:

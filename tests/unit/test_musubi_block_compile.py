@@ -17,7 +17,7 @@ from flux_trainer.config import ConfigError
 from flux_trainer.musubi import block_compile as bc
 from flux_trainer.musubi.checkout import import_module
 from flux_trainer.musubi.kernel_install import kernels_line, wanted
-from tests.musubi_checkout import MUSUBI, need_musubi
+from tests.musubi_checkout import MUSUBI, FakeAccelerator, need_musubi
 
 
 def need() -> None:
@@ -151,19 +151,6 @@ def test_a_flux1_kernel_named_for_a_musubi_model_is_one_line(kernel_set):
     assert "do not apply to musubi-tuner's FLUX.2 / Kontext" in msg and "kernels=auto" in msg and "\n" not in msg
 
 
-class FakeAccelerator:
-    """What install_kernels reads of accelerate's Accelerator: the device, unwrap_model, autocast."""
-
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = torch.device(device)
-
-    def unwrap_model(self, model):
-        return model
-
-    def autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
-
-
 def install(model: nn.Module, kernel_set: str) -> list[str]:
     from types import SimpleNamespace
 
@@ -173,7 +160,7 @@ def install(model: nn.Module, kernel_set: str) -> list[str]:
     trainer = SimpleNamespace(blocks_to_swap=0)
     lora = nn.Module()  # stands in for the LoRA network: its parameter is no block's (and draws no random number)
     lora.weight = nn.Parameter(torch.zeros(2))
-    return install_kernels(trainer, args, FakeAccelerator(), lora, model, {"set": kernel_set})
+    return install_kernels(trainer, args, FakeAccelerator(dtype=torch.bfloat16), lora, model, {"set": kernel_set})
 
 
 def compiled(model: nn.Module) -> list[bool]:
